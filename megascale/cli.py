@@ -1,0 +1,204 @@
+"""`megascale` command line: train, prepare, convert, calibrate.
+
+Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
+user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
+before the inputs have been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from megascale.errors import ConfigError, MegascaleError
+
+OVERRIDES_HELP = (
+    "Any config field as --section.key=value (e.g. --model.dim=512 --optim.name=lamb); "
+    "see docs/config.md or --print-config."
+)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML job config (default: the built-in defaults, as in configs/default.toml).",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="Print the resolved config as TOML and exit."
+    )
+    parser.epilog = OVERRIDES_HELP
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    """Accept both `--a.b=v` and `--a.b v`; anything else is an unknown argument."""
+    overrides, i = [], 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"unknown argument {item!r}; config fields look like --section.key=value")
+        if "=" not in item:
+            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
+                raise ConfigError(f"config: {item} needs a value, as {item}=VALUE")
+            item, i = f"{item}={extra[i + 1]}", i + 1
+        overrides.append(item)
+        i += 1
+    return overrides
+
+
+def _load(args: argparse.Namespace, extra: list[str]):
+    from megascale.config import load_config, to_toml
+
+    cfg = load_config(args.config, _split_overrides(extra))
+    if args.print_config:
+        sys.stdout.write(to_toml(cfg))
+        raise SystemExit(0)
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.trainer import Trainer
+
+    cfg = _load(args, extra)
+    trainer = Trainer(cfg, debug=args.debug)
+    summary = trainer.train()
+    val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
+    state = "stopped by signal" if summary["interrupted"] else "done"
+    trainer.console.print(
+        f"{state}: step {summary['step']}/{cfg.training.steps}{val}, "
+        f"{summary['wall_s']:.0f} s; run directory {trainer.run_dir}"
+    )
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.data.prepare import prepare_dataset
+    from megascale.data.shards import TokenShards
+
+    cfg = _load(args, extra)
+    dataset_dir = prepare_dataset(cfg.data, out_dir=args.out, progress=True)
+    shards = TokenShards.open(dataset_dir, verify=False)
+    print(
+        f"{dataset_dir}: {shards.num_tokens:,} tokens in {shards.num_documents:,} documents, "
+        f"vocabulary {shards.vocab_size}"
+    )
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.convert import export_hf, import_hf
+
+    if extra:
+        raise ConfigError(f"convert takes no config overrides, got {' '.join(extra)}")
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ConfigError(f"convert: output {out} exists and is not empty; pass --force to overwrite")
+    if args.to_format == "hf":
+        written = export_hf(Path(args.source), out)
+    else:
+        written = import_hf(Path(args.source), out)
+    print(f"wrote {written}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
+    import torch
+
+    from megascale.observe.peak import calibrate, calibration_cache
+
+    if extra:
+        raise ConfigError(f"calibrate takes no config overrides, got {' '.join(extra)}")
+    threads = args.threads or torch.get_num_threads()
+    for dtype in args.dtype:
+        tflops = calibrate(dtype, threads, force=True)
+        print(f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  (threads={threads})")
+    print(f"cached in {calibration_cache()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megascale",
+        description="Pre-train decoder-only language models "
+        "with 3D parallelism and automatic recovery (after ByteDance's MegaScale).",
+    )
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks and debug logs.")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+
+    train = verbs.add_parser(
+        "train",
+        help="Train a model (the built-in default with no flags); resumes "
+        "from the newest checkpoint in training.run_dir.",
+    )
+    _add_config_args(train)
+    train.set_defaults(run=cmd_train)
+
+    prepare = verbs.add_parser(
+        "prepare", help="Tokenize text (data.source) into memory-mapped shards (docs/data.md)."
+    )
+    _add_config_args(prepare)
+    prepare.add_argument(
+        "--out", metavar="DIR", help="Write the dataset here instead of the cache under data.cache_dir."
+    )
+    prepare.set_defaults(run=cmd_prepare)
+
+    convert = verbs.add_parser(
+        "convert", help="Convert weights to or from Hugging Face Llama (config.json + safetensors)."
+    )
+    direction = convert.add_mutually_exclusive_group(required=True)
+    direction.add_argument(
+        "--to",
+        dest="to_format",
+        choices=["hf"],
+        help="Export SOURCE (a run directory or one of its checkpoints) to a Hugging Face folder OUTPUT.",
+    )
+    direction.add_argument(
+        "--from",
+        dest="from_format",
+        choices=["hf"],
+        help="Import a Hugging Face "
+        "folder SOURCE into a megascale checkpoint OUTPUT (use it with "
+        "--checkpoint.init_from=OUTPUT).",
+    )
+    convert.add_argument("source", help="What to convert.")
+    convert.add_argument("output", help="Where to write.")
+    convert.add_argument("--force", action="store_true", help="Overwrite a non-empty OUTPUT.")
+    convert.set_defaults(run=cmd_convert)
+
+    calibrate = verbs.add_parser("calibrate", help="Measure this CPU's matmul peak (for MFU) and cache it.")
+    calibrate.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16"],
+        help="Dtypes to measure.",
+    )
+    calibrate.add_argument("--threads", type=int, help="Threads to measure with (default: torch's).")
+    calibrate.set_defaults(run=cmd_calibrate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # --debug may also come after the verb
+    if "--debug" in extra:
+        extra.remove("--debug")
+        args.debug = True
+    run: Callable | None = getattr(args, "run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    try:
+        return run(args, extra)
+    except MegascaleError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,496 @@
+"""Typed job configuration: one dataclass per section, loaded from TOML, overridden as --section.key=value.
+
+Every field carries its help text, allowed values and range in its metadata, so that validation, the error
+messages and the reference in docs/config.md (``python -m megascale.config``) all come from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.errors import ConfigError
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A config field: its default, one-line help, and the values it accepts."""
+    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type) -> Any:
+    """A nested config section (a dataclass) inside another one."""
+    return field(default_factory=cls, metadata={"help": (cls.__doc__ or "").strip().splitlines()[0]})
+
+
+@dataclass
+class AttentionConfig:
+    """Attention: heads, grouped-query key/value heads, positions and the sliding window."""
+
+    n_heads: int = option(8, "Number of query heads; must divide model.dim.", ge=1)
+    n_kv_heads: int = option(
+        4,
+        "Key/value heads (grouped-query attention); must divide n_heads. "
+        "Equal to n_heads gives multi-head attention.",
+        ge=1,
+    )
+    window: int | None = option(
+        None,
+        "Sliding-window size W: token i attends to positions (i-W, i]. "
+        "Unset means full causal attention (paper §3.1).",
+        ge=1,
+    )
+    rope_theta: float = option(10000.0, "RoPE base frequency.", gt=0)
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape; Llama-style by default, GPT-style by options."""
+
+    dim: int = option(256, "Hidden size.", ge=1)
+    n_layers: int = option(4, "Number of transformer blocks.", ge=1)
+    vocab_size: int = option(
+        264,
+        "Embedding rows; at least the tokenizer's vocabulary (the rest is "
+        "padding, e.g. to a multiple of 8 or of the TP degree).",
+        ge=2,
+    )
+    ffn_dim: int | None = option(
+        None,
+        "MLP hidden size; unset means 4*dim for GeLU and 8/3*dim rounded up to a multiple of 64 for SwiGLU.",
+        ge=1,
+    )
+    max_seq_len: int = option(
+        256,
+        "Longest sequence the model accepts (size of the learned position table when position = 'learned').",
+        ge=1,
+    )
+    block: str = option(
+        "serial",
+        "'serial': h = x + Attn(LN(x)); y = h + MLP(LN(h)). 'parallel': "
+        "y = x + Attn(LN(x)) + MLP(LN(x)) (paper §3.1, Eq. 2).",
+        choices=("serial", "parallel"),
+    )
+    norm: str = option("rmsnorm", "Normalisation layer.", choices=("rmsnorm", "layernorm"))
+    mlp: str = option("swiglu", "MLP type: gated SiLU (Llama) or GeLU (GPT).", choices=("swiglu", "gelu"))
+    position: str = option(
+        "rope", "Positions: rotary (Llama) or a learned table (GPT).", choices=("rope", "learned")
+    )
+    norm_eps: float = option(1e-5, "Epsilon of the normalisation layers.", gt=0)
+    tie_embeddings: bool = option(False, "Share the input embedding with the output projection.")
+    init_std: float = option(
+        0.02,
+        "Standard deviation of the normal weight initialisation; output "
+        "projections are scaled by 1/sqrt(2*n_layers).",
+        gt=0,
+    )
+    attention: AttentionConfig = section(AttentionConfig)
+
+
+@dataclass
+class DataConfig:
+    """Training data: where the text comes from, how it is tokenized, and how it is batched."""
+
+    source: str = option(
+        "stdlib",
+        "Text to train on: 'stdlib' (the Python standard library's own "
+        "source, present on every machine), a directory, a glob, a .jsonl file, or a "
+        "directory already written by `megascale prepare` (has meta.json).",
+    )
+    tokenizer: str = option(
+        "byte",
+        "'byte' (256 byte values + EOS, no training), 'bpe' (trained "
+        "locally on the source), or a path to a tokenizer.json.",
+    )
+    bpe_vocab_size: int = option(8192, "Vocabulary size when training a BPE tokenizer.", ge=260)
+    jsonl_field: str = option("text", "Field holding the text in .jsonl input.")
+    cache_dir: str = option(
+        "~/.cache/megascale", "Where prepared token shards are cached, keyed by source and tokenizer."
+    )
+    seq_len: int = option(256, "Tokens per training sequence (packed across documents with EOS).", ge=1)
+    val_fraction: float = option(0.01, "Fraction of documents held out for validation.", ge=0, lt=1)
+    verify: bool = option(True, "Check shard sizes and checksums against meta.json when opening.")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = option(
+        "adamw", "AdamW (torch's) or LAMB (You et al. 2019; paper §3.1).", choices=("adamw", "lamb")
+    )
+    lr: float = option(3e-3, "Peak learning rate.", gt=0)
+    min_lr_ratio: float = option(0.1, "Final learning rate as a fraction of lr.", ge=0, le=1)
+    warmup_steps: int = option(50, "Linear warm-up steps from 0 to lr.", ge=0)
+    decay: str = option(
+        "cosine",
+        "Decay after warm-up down to min_lr_ratio*lr at the last step.",
+        choices=("cosine", "linear", "constant"),
+    )
+    beta1: float = option(0.9, "First-moment decay.", ge=0, lt=1)
+    beta2: float = option(0.95, "Second-moment decay.", ge=0, lt=1)
+    eps: float = option(1e-8, "Denominator epsilon.", gt=0)
+    weight_decay: float = option(0.1, "Decoupled weight decay (not applied to norms and biases).", ge=0)
+    trust_clamp: float | None = option(
+        None,
+        "LAMB only: upper bound of the per-tensor trust ratio ||w|| / ||update||; unset means no clamp.",
+        gt=0,
+    )
+    grad_clip: float | None = option(1.0, "Clip the global gradient norm to this; unset disables.", gt=0)
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop: steps, batch, precision, device and logging cadence."""
+
+    steps: int = option(1200, "Optimizer steps to train for.", ge=1)
+    global_batch_size: int = option(16, "Sequences per optimizer step.", ge=1)
+    micro_batch_size: int = option(
+        16,
+        "Sequences per forward/backward; global_batch_size must be a "
+        "multiple (the rest is gradient accumulation).",
+        ge=1,
+    )
+    seed: int = option(0, "Seed for weights, data order and every other random choice.", ge=0)
+    dtype: str = option(
+        "float32",
+        "Compute precision: float32, or bfloat16 autocast (weights and optimizer state stay float32).",
+        choices=("float32", "bfloat16"),
+    )
+    compile: bool = option(False, "Compile the model with torch.compile.")
+    device: str = option("auto", "'auto' (the accelerator if present, else CPU), 'cpu', 'cuda', ...")
+    threads: int | None = option(
+        None, "CPU threads for intra-op parallelism; unset keeps torch's default (all cores).", ge=1
+    )
+    run_dir: str = option(
+        "runs/default",
+        "Directory for checkpoints, metrics and logs; a run resumes from the newest checkpoint found here.",
+    )
+    log_every: int = option(10, "Log metrics every N steps.", ge=1)
+    val_every: int = option(200, "Compute validation loss every N steps (and at the last step).", ge=1)
+    val_batches: int = option(8, "Micro-batches per validation.", ge=1)
+    peak_tflops: float | None = option(
+        None,
+        "Device peak TFLOP/s for MFU on a device missing from "
+        "the built-in table; unset uses `megascale calibrate`'s "
+        "measured peak.",
+        gt=0,
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: how often, how many, and whether to resume."""
+
+    enabled: bool = option(True, "Save checkpoints.")
+    every: int = option(200, "Save every N steps (and at the last step, and on SIGINT/SIGTERM).", ge=1)
+    keep: int = option(3, "Keep the newest K checkpoints.", ge=1)
+    resume: bool = option(True, "Resume from the newest checkpoint in the run directory.")
+    init_from: str | None = option(
+        None,
+        "Model weights to start from when there is nothing to resume: a "
+        "checkpoint directory (e.g. written by `megascale convert --from hf`). "
+        "Optimizer, schedule and data start afresh.",
+    )
+
+
+@dataclass
+class MetricsConfig:
+    """Where metrics go besides the console."""
+
+    jsonl: bool = option(True, "Write metrics.jsonl in the run directory.")
+    tensorboard: bool = option(True, "Write TensorBoard scalars under <run_dir>/tensorboard.")
+    progress: bool = option(
+        True,
+        "Show a live progress display (off when stdout is not a terminal prints plain log lines instead).",
+    )
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    optim: OptimConfig = section(OptimConfig)
+    training: TrainingConfig = section(TrainingConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    metrics: MetricsConfig = section(MetricsConfig)
+
+    def validate(self) -> None:
+        """Check every field's range and the rules between fields; raise ConfigError on the first."""
+        _check_fields(self, "")
+        m, a, t = self.model, self.model.attention, self.training
+        if m.dim % a.n_heads:
+            _fail("model.attention.n_heads", a.n_heads, f"must divide model.dim = {m.dim}")
+        if a.n_heads % a.n_kv_heads:
+            _fail(
+                "model.attention.n_kv_heads",
+                a.n_kv_heads,
+                f"must divide model.attention.n_heads = {a.n_heads}",
+            )
+        if (m.dim // a.n_heads) % 2 and m.position == "rope":
+            _fail(
+                "model.attention.n_heads",
+                a.n_heads,
+                f"gives an odd head size {m.dim // a.n_heads}; RoPE needs an even one",
+            )
+        if self.data.seq_len > m.max_seq_len:
+            _fail("data.seq_len", self.data.seq_len, f"exceeds model.max_seq_len = {m.max_seq_len}")
+        if t.global_batch_size % t.micro_batch_size:
+            _fail(
+                "training.global_batch_size",
+                t.global_batch_size,
+                f"must be a multiple of training.micro_batch_size = {t.micro_batch_size}",
+            )
+
+
+def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
+    raise ConfigError(f"config: {key} = {value!r} {why}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp)
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(the scalar type, whether None is allowed) of an annotation like `int | None`."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _check_fields(obj: Any, prefix: str) -> None:
+    hints = _field_types(type(obj))
+    for f in dataclasses.fields(obj):
+        key, value = prefix + f.name, getattr(obj, f.name)
+        if _is_section(hints[f.name]):
+            _check_fields(value, key + ".")
+            continue
+        base, optional = _base_type(hints[f.name])
+        if value is None:
+            if not optional:
+                _fail(key, value, "must be set")
+            continue
+        if base is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            setattr(obj, f.name, value)
+        if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+            _fail(key, value, f"must be of type {base.__name__}")
+        meta = f.metadata
+        if meta["choices"] and value not in meta["choices"]:
+            _fail(key, value, f"is not one of {', '.join(map(repr, meta['choices']))}")
+        bounds = [
+            ("ge", ">=", value >= meta["ge"] if meta["ge"] is not None else True),
+            ("gt", ">", value > meta["gt"] if meta["gt"] is not None else True),
+            ("le", "<=", value <= meta["le"] if meta["le"] is not None else True),
+            ("lt", "<", value < meta["lt"] if meta["lt"] is not None else True),
+        ]
+        for name, symbol, ok in bounds:
+            if not ok:
+                _fail(key, value, f"is out of range: must be {symbol} {meta[name]}")
+
+
+def all_keys(cls: type = JobConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a config class, e.g. 'model.attention.window'."""
+    keys = []
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if _is_section(hints[f.name]):
+            keys += all_keys(hints[f.name], prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown_key(key: str) -> typing.NoReturn:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf][:1]
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"config: unknown key '{key}'{hint}")
+
+
+def _parse_scalar(key: str, text: str, tp: Any) -> Any:
+    base, optional = _base_type(tp)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    try:
+        if base is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return lowered in ("true", "1", "yes", "on")
+        return base(text)
+    except ValueError:
+        raise ConfigError(f"config: {key} = {text!r} is not a valid {base.__name__}") from None
+
+
+def _set(cfg: JobConfig, key: str, value: Any, from_text: bool) -> None:
+    parts = key.split(".")
+    obj = cfg
+    for part in parts[:-1]:
+        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+            _unknown_key(key)
+        obj = getattr(obj, part)
+    names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+    if parts[-1] not in names:
+        _unknown_key(key)
+    tp = _field_types(type(obj))[parts[-1]]
+    if _is_section(tp):
+        raise ConfigError(
+            f"config: '{key}' is a section; set one of its keys, e.g. "
+            f"'{key}.{dataclasses.fields(tp)[0].name}'"
+        )
+    setattr(obj, parts[-1], _parse_scalar(key, value, tp) if from_text else value)
+
+
+def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, prefix + key + "."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides; validated."""
+    cfg = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: file {str(path)!r} does not exist")
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config: {path} is not valid TOML: {err}") from None
+        for key, value in _flatten(table).items():
+            _set(cfg, key, value, from_text=False)
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if not sep:
+            raise ConfigError(f"config: override {item!r} must look like --section.key=value")
+        _set(cfg, key, value, from_text=True)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Any) -> str:
+    """The resolved config as TOML (unset optional fields are written as comments)."""
+    lines: list[str] = []
+
+    def emit(obj: Any, prefix: str) -> None:
+        hints = _field_types(type(obj))
+        scalars = [f for f in dataclasses.fields(obj) if not _is_section(hints[f.name])]
+        if prefix and scalars:
+            lines.append(f"\n[{prefix}]")
+        for f in scalars:
+            value = getattr(obj, f.name)
+            if value is None:
+                lines.append(f"# {f.name} = (unset)")
+            elif isinstance(value, bool):
+                lines.append(f"{f.name} = {str(value).lower()}")
+            elif isinstance(value, str):
+                lines.append(f'{f.name} = "{value}"')
+            else:
+                lines.append(f"{f.name} = {value!r}")
+        for f in dataclasses.fields(obj):
+            if _is_section(hints[f.name]):
+                emit(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+
+    emit(cfg, "")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def from_dict(table: dict) -> JobConfig:
+    """Rebuild a JobConfig from `to_dict` output (as stored in checkpoints)."""
+    cfg = JobConfig()
+    for key, value in _flatten(table).items():
+        _set(cfg, key, value, from_text=False)
+    return cfg
+
+
+def render_reference() -> str:
+    """docs/config.md: every field with its type, default and meaning."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `python -m megascale.config > docs/config.md`; a test checks it is current.",
+        "",
+        "Set fields in a TOML file (`megascale train --config configs/default.toml`) or on the "
+        "command line as `--section.key=value` (later wins). `--print-config` shows the result.",
+        "",
+    ]
+
+    def describe(cls: type, prefix: str) -> None:
+        hints = _field_types(cls)
+        out.extend(
+            [
+                f"## `[{prefix}]`",
+                "",
+                (cls.__doc__ or "").strip(),
+                "",
+                "| key | type | default | meaning |",
+                "|---|---|---|---|",
+            ]
+        )
+        subsections = []
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]):
+                subsections.append((hints[f.name], f"{prefix}.{f.name}"))
+                continue
+            base, optional = _base_type(hints[f.name])
+            type_name = base.__name__ + (" or unset" if optional else "")
+            meta = f.metadata
+            extra = []
+            if meta["choices"]:
+                extra.append("one of " + ", ".join(f"`{c}`" for c in meta["choices"]))
+            for name, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+                if meta[name] is not None:
+                    extra.append(f"{symbol} {meta[name]}")
+            help_text = meta["help"] + (f" ({'; '.join(extra)})" if extra else "")
+            default = "unset" if f.default is None else f"`{f.default!r}`".replace("'", '"')
+            if f.default is dataclasses.MISSING:
+                default = f"`{f.default_factory()!r}`"
+            out.append(f"| `{f.name}` | {type_name} | {default} | {help_text} |")
+        out.append("")
+        for sub, sub_prefix in subsections:
+            describe(sub, sub_prefix)
+
+    for f in dataclasses.fields(JobConfig):
+        describe(_field_types(JobConfig)[f.name], f.name)
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_reference())

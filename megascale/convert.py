@@ -1,0 +1,63 @@
+"""`megascale convert`: weights between megascale checkpoints and Hugging Face Llama folders.
+
+The tensor mapping lives in models/hf.py; this module moves whole artefacts: it finds the newest
+checkpoint of a run, loads only its model entry, and writes the other side's files. An imported model
+becomes a weights-only checkpoint plus a `train.toml` that trains from it (`checkpoint.init_from`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from megascale.checkpoint.checkpointer import (
+    DESCRIPTOR,
+    Checkpointer,
+    list_checkpoints,
+    read_descriptor,
+    save_checkpoint_dir,
+)
+from megascale.checkpoint.stateful import ModelState
+from megascale.config import JobConfig, from_dict, to_toml
+from megascale.errors import CheckpointError
+from megascale.models.hf import load_hf, save_hf
+from megascale.models.llama import Transformer
+
+
+def resolve_checkpoint(source: Path) -> Path:
+    """A checkpoint directory itself, or the newest committed one of a run directory."""
+    if (source / DESCRIPTOR).is_file():
+        return source
+    checkpoints = list_checkpoints(source / "checkpoints")
+    if not checkpoints:
+        raise CheckpointError(
+            f"convert: {source} is neither a checkpoint (no {DESCRIPTOR}) nor a run "
+            f"directory with committed checkpoints"
+        )
+    return checkpoints[-1][1]
+
+
+def export_hf(source: Path, out_dir: Path) -> Path:
+    """Write the model of a run/checkpoint as a Hugging Face LlamaForCausalLM folder."""
+    checkpoint = resolve_checkpoint(source)
+    model_cfg = from_dict(read_descriptor(checkpoint)["config"]).model
+    model = Transformer(model_cfg)
+    Checkpointer(checkpoint.parent, keep=1).load(checkpoint, {"model": ModelState(model)})
+    save_hf(model.state_dict(), model_cfg, out_dir)
+    return out_dir
+
+
+def import_hf(hf_dir: Path, out_dir: Path) -> Path:
+    """Turn a Hugging Face Llama folder into a weights-only checkpoint and a train.toml using it."""
+    model_cfg, state_dict = load_hf(hf_dir)
+    model = Transformer(model_cfg)
+    model.load_state_dict(state_dict)
+    job = JobConfig(model=model_cfg)
+    job.checkpoint.init_from = str(out_dir.resolve())
+    save_checkpoint_dir(
+        out_dir,
+        {"model": ModelState(model)},
+        {"step": 0, "source": str(hf_dir), "config": {"model": dataclasses.asdict(model_cfg)}},
+    )
+    (out_dir / "train.toml").write_text(to_toml(job))
+    return out_dir

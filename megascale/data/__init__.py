@@ -1,0 +1,32 @@
+"""Training data: corpora, tokenizers, token shards on disk, packing and resumable sampling.
+
+Text goes in once through `prepare_dataset` (cached by source and tokenizer); training reads the
+memory-mapped shards through `build_dataloaders`. The format and rules are in docs/data.md.
+"""
+
+from megascale.data.corpus import Corpus, open_corpus
+from megascale.data.dataset import DocumentSplit, PackedSequences, split_by_documents
+from megascale.data.loader import TrainLoader, ValLoader, build_dataloaders
+from megascale.data.prepare import prepare_dataset
+from megascale.data.sampler import SequenceSampler
+from megascale.data.shards import TokenShards
+from megascale.data.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, load_tokenizer, train_bpe
+
+__all__ = [
+    "ByteTokenizer",
+    "Corpus",
+    "DocumentSplit",
+    "JsonTokenizer",
+    "PackedSequences",
+    "SequenceSampler",
+    "TokenShards",
+    "Tokenizer",
+    "TrainLoader",
+    "ValLoader",
+    "build_dataloaders",
+    "load_tokenizer",
+    "open_corpus",
+    "prepare_dataset",
+    "split_by_documents",
+    "train_bpe",
+]

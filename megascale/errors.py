@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Anything the user can fix (a bad config value, a missing or corrupt file, a checkpoint of another model)
+raises a `MegascaleError`. The CLI prints it as one line and exits with status 2; everything else is a bug
+and keeps its traceback.
+"""
+
+
+class MegascaleError(Exception):
+    """A problem with the user's input, stated so that the message alone says what to fix."""
+
+
+class ConfigError(MegascaleError):
+    """A configuration field has a bad value, or a key does not exist."""
+
+
+class DataError(MegascaleError):
+    """Input data is missing, unreadable, corrupt or does not fit the model."""
+
+
+class CheckpointError(MegascaleError):
+    """A checkpoint is missing, corrupt, or was written for another model."""

@@ -1,0 +1,58 @@
+"""Causal attention kernels: full causal, and sliding-window in linear time and memory.
+
+Sliding-window attention (paper §3.1, after Longformer) lets token i attend to positions (i-W, i], so its
+cost is O(seq * W) instead of O(seq^2). SDPA has no window argument and a dense boolean mask costs
+O(seq^2) memory; flex_attention needs torch.compile to avoid materialising the scores on CPU. So the window
+is computed by blocks: queries are cut into blocks of B = max(W, 64) positions; block s only needs keys
+[s*B - W + 1, s*B + B), which are gathered with `unfold` (a view) and attended with one batched SDPA call and
+a (B, B+W-1) band mask shared by every block. Work and memory grow linearly in seq at fixed W.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_MIN_BLOCK = 64  # below this, per-block overhead dominates the batched SDPA call
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Attention of q over k, v, all shaped [batch, heads, seq, head_dim] (k/v already repeated for GQA).
+
+    With `window` unset, or not smaller than seq, this is plain causal attention.
+    """
+    seq = q.shape[-2]
+    if window is None or window >= seq:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return sliding_window_attention(q, k, v, window)
+
+
+def _band_mask(block: int, window: int, n_blocks: int, device: torch.device) -> torch.Tensor:
+    """[n_blocks, block, block + window - 1] mask: query i of block s sees local key j iff i <= j <= i+W-1.
+
+    Local key j of block s stands at absolute position s*block - window + 1 + j; keys before position 0 are
+    padding and masked out.
+    """
+    i = torch.arange(block, device=device)[:, None]
+    j = torch.arange(block + window - 1, device=device)[None, :]
+    band = (j >= i) & (j <= i + window - 1)
+    key_pos = torch.arange(n_blocks, device=device)[:, None] * block - window + 1 + j
+    return band[None] & (key_pos >= 0)[:, None, :].expand(n_blocks, block, -1)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Token i attends to positions (i-window, i]; O(seq * window) time and memory."""
+    batch, heads, seq, head_dim = q.shape
+    block = max(window, _MIN_BLOCK)
+    n_blocks = -(-seq // block)
+    pad_end = n_blocks * block - seq
+    # Queries padded at the end to whole blocks; keys/values also padded at the front by window-1.
+    q_blocks = F.pad(q, (0, 0, 0, pad_end)).view(batch, heads, n_blocks, block, head_dim)
+    k_padded = F.pad(k, (0, 0, window - 1, pad_end))
+    v_padded = F.pad(v, (0, 0, window - 1, pad_end))
+    span = block + window - 1
+    k_blocks = k_padded.unfold(2, span, block).transpose(-1, -2)  # [b, h, n_blocks, span, d]
+    v_blocks = v_padded.unfold(2, span, block).transpose(-1, -2)
+    mask = _band_mask(block, window, n_blocks, q.device)
+    out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=mask)
+    return out.reshape(batch, heads, n_blocks * block, head_dim)[:, :, :seq]

@@ -1,0 +1,47 @@
+"""Training FLOPs per token and parameter counts, from the model config alone.
+
+Megatron-LM's accounting (Narayanan et al. 2021, which the MegaScale paper's MFU follows): every matmul
+weight costs 6 FLOPs per token per parameter (forward 2, backward 4), and attention's two score matmuls
+(QK^T and PV) cost 12 * layers * dim * span per token for fwd+bwd, where span is the number of keys a query
+sees. Megatron counts the full sequence (no causal halving), so span = seq_len; with a sliding window
+span = min(window, seq_len). Norms, activations and softmax are not counted, and neither is recomputation:
+MFU counts model FLOPs, not hardware FLOPs.
+"""
+
+from __future__ import annotations
+
+from megascale.config import ModelConfig
+from megascale.models.llama import ffn_dim_of
+
+
+def matmul_params_per_layer(cfg: ModelConfig) -> int:
+    """Weights of one block's linear layers (q, k, v, o and the MLP)."""
+    head_dim = cfg.dim // cfg.attention.n_heads
+    attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * ffn_dim_of(cfg)
+    return attention + mlp
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """All parameters of the model, embeddings included (tied ones counted once)."""
+    norms_per_layer = (1 if cfg.block == "parallel" else 2) * cfg.dim
+    embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    positions = cfg.max_seq_len * cfg.dim if cfg.position == "learned" else 0
+    return cfg.n_layers * (matmul_params_per_layer(cfg) + norms_per_layer) + embeddings + positions + cfg.dim
+
+
+def attention_span(cfg: ModelConfig, seq_len: int) -> int:
+    window = cfg.attention.window
+    return seq_len if window is None else min(window, seq_len)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs to train on one token (forward + backward) at this sequence length."""
+    dense = cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim  # + the output layer
+    attention = 12 * cfg.n_layers * cfg.dim * attention_span(cfg, seq_len)
+    return 6 * dense + attention
+
+
+def mfu(tokens_per_s: float, cfg: ModelConfig, seq_len: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak FLOP/s."""
+    return tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops

@@ -1,0 +1,167 @@
+"""Single-device decoder-only transformer: Llama-style by default, GPT-style by options.
+
+Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU. GPT: LayerNorm, learned positions, GeLU.
+MegaScale's algorithmic options (paper §3.1): the parallel block y = x + Attn(LN(x)) + MLP(LN(x)) (Eq. 2)
+and sliding-window attention. No parallelism lives here: tensor, pipeline and data parallelism are applied
+from outside by megascale.parallel. Layers sit in a ModuleDict keyed by index so a pipeline stage can
+drop the ones it does not own and keep checkpoint names stable; embedding, norm and output may be None
+on stages that do not hold them.
+
+RoPE uses the rotate-half layout of Hugging Face's Llama, so weights convert without permutation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.config import ModelConfig
+from megascale.models.attention import causal_attention
+
+
+def ffn_dim_of(cfg: ModelConfig) -> int:
+    """The MLP hidden size: the configured one, else 4*dim (GeLU) or 8/3*dim rounded to 64 (SwiGLU)."""
+    if cfg.ffn_dim is not None:
+        return cfg.ffn_dim
+    if cfg.mlp == "gelu":
+        return 4 * cfg.dim
+    return 64 * math.ceil(8 * cfg.dim / 3 / 64)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim] in rotate-half layout (each frequency twice)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, heads, seq, head_dim] by position; cos/sin are [seq, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention, optionally restricted to a sliding window."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.attention.n_heads
+        self.n_kv_heads = cfg.attention.n_kv_heads
+        self.head_dim = cfg.dim // self.n_heads
+        self.window = cfg.attention.window
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of the head counts lets tensor parallelism shard the heads without touching this code.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        repeats = q.shape[1] // k.shape[1]
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        out = causal_attention(q, k, v, self.window)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or GeLU (w2(gelu(w1 x))) MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_dim_of(cfg)
+        self.gated = cfg.mlp == "swiglu"
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False) if self.gated else None
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    """Serial (pre-norm) or parallel transformer block (paper §3.1, Eq. 1 vs Eq. 2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.parallel = cfg.block == "parallel"
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = make_norm(cfg)
+        # The parallel block feeds one normalised input to both branches, so it has a single norm.
+        self.ffn_norm = None if self.parallel else make_norm(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if self.parallel:
+            normed = self.attention_norm(x)
+            return x + self.attention(normed, rope) + self.feed_forward(normed)
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a non-final pipeline stage)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.position == "learned" else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(
+                cfg.dim // cfg.attention.n_heads, cfg.max_seq_len, cfg.attention.rope_theta
+            )
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) weights; output projections of each residual branch scaled by 1/sqrt(2L)."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if param.ndim == 1:
+                nn.init.ones_(param)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(param, std=residual_std)
+            else:
+                nn.init.normal_(param, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len = {self.cfg.max_seq_len}")
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings.weight[:seq]
+        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.cfg.position == "rope" else None
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,74 @@
+"""The console side of a run: a live `rich` progress bar with the latest metrics, and log lines above it.
+
+On a terminal the bar redraws in place; elsewhere (CI, a log file, `--metrics.progress=false`) each logged
+step is a plain line, so logs stay greppable.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+log = logging.getLogger("megascale")
+
+
+def setup_logging(run_dir: Path | None, console: Console, debug: bool = False) -> None:
+    """megascale's log lines to the console (through rich) and to <run_dir>/train.log."""
+    log.setLevel(logging.DEBUG if debug else logging.INFO)
+    log.propagate = False
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
+    log.addHandler(
+        RichHandler(console=console, show_path=False, show_level=False, markup=False, log_time_format="[%X]")
+    )
+    if run_dir is not None:
+        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(file_handler)
+
+
+def make_console() -> Console:
+    """A console on stderr (resolved at each write, so a replaced sys.stderr is honoured); stdout stays
+    free for what a command outputs."""
+    return Console(stderr=True)
+
+
+class TrainingProgress:
+    """A step counter with ETA and the newest metrics; a no-op bar when live display is off."""
+
+    def __init__(self, console: Console, total_steps: int, start_step: int, live: bool):
+        self.live = live and console.is_terminal
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+            disable=not self.live,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+
+    def __enter__(self) -> TrainingProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def update(self, step: int, status: str | None = None) -> None:
+        fields = {"status": status} if status is not None else {}
+        self._progress.update(self._task, completed=step, **fields)

@@ -1,0 +1,64 @@
+"""Optimizer and learning-rate scheduler, built from an OptimConfig.
+
+AdamW is torch's; LAMB (paper §3.1, used by MegaScale to scale the batch 4x) is in lamb.py. Weight decay
+applies only to matrices and embeddings: decaying norm gains and biases pulls them towards 0 and gives
+nothing back.
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+from megascale.config import OptimConfig
+from megascale.optim.lamb import Lamb
+from megascale.optim.schedule import lr_factor
+
+__all__ = ["Lamb", "build_lr_scheduler", "build_optimizer", "lr_factor", "param_groups"]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters split into a decayed group (ndim >= 2) and an undecayed one (ndim < 2).
+
+    Empty groups are left out; shared (tied) parameters appear once.
+    """
+    trainable = [p for _, p in model.named_parameters() if p.requires_grad]
+    decayed = [p for p in trainable if p.ndim >= 2]
+    undecayed = [p for p in trainable if p.ndim < 2]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
+    if not groups:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer cfg.name names, at the peak lr cfg.lr (the scheduler scales it from there)."""
+    groups = param_groups(model, cfg.weight_decay)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "lamb":
+        return Lamb(
+            groups,
+            lr=cfg.lr,
+            betas=betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            trust_clamp=cfg.trust_clamp,
+        )
+    raise ValueError(f"optim.name must be 'adamw' or 'lamb', got {cfg.name!r}")
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """A LambdaLR setting lr = cfg.lr * lr_factor(s) for optimizer step s; call .step() after each step."""
+    factor = functools.partial(
+        lr_factor,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total_steps,
+        decay=cfg.decay,
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

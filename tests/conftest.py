@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny text corpus and a tiny job config that trains in seconds on CPU."""
+
+import os
+import random
+
+import pytest
+
+from megascale.config import load_config
+
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.attention.n_heads=4",
+    "--model.attention.n_kv_heads=2",
+    "--model.max_seq_len=32",
+    "--data.seq_len=32",
+    "--data.val_fraction=0.1",
+    "--training.global_batch_size=4",
+    "--training.micro_batch_size=2",
+    "--training.steps=6",
+    "--training.val_every=3",
+    "--training.val_batches=2",
+    "--training.log_every=1",
+    "--training.peak_tflops=0.1",
+    "--optim.warmup_steps=2",
+    "--checkpoint.every=3",
+    "--metrics.progress=false",
+    "--metrics.tensorboard=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Keep calibration and dataset caches out of the user's home."""
+    monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A directory of 60 small deterministic text files (~100 KB)."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "data", "x", "="]
+    for i in range(60):
+        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(40)]
+        (root / f"doc{i:03d}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def tiny_args(corpus, run_dir, cache_dir, *extra):
+    return [
+        *TINY,
+        f"--data.source={corpus}",
+        f"--data.cache_dir={cache_dir}",
+        f"--training.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def tiny_config(tiny_corpus, tmp_path):
+    def make(*extra, run_dir=None):
+        return load_config(
+            None, tiny_args(tiny_corpus, run_dir or tmp_path / "run", tmp_path.parent / "data", *extra)
+        )
+
+    return make
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,148 @@
+"""The single-process trainer end to end on a tiny model: metrics, checkpoints, resume, signals."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megascale.checkpoint.checkpointer import list_checkpoints
+from megascale.observe.metrics import read_metrics
+from megascale.trainer import Trainer
+from tests.conftest import tiny_args
+
+
+def losses_by_step(run_dir):
+    """The last logged loss of every step (a resumed run logs the steps after its checkpoint again)."""
+    return {record["step"]: record["loss"] for record in read_metrics(run_dir)}
+
+
+def test_trains_logs_and_checkpoints(tiny_config, tmp_path):
+    cfg = tiny_config("--metrics.tensorboard=true", "--training.steps=12", "--optim.lr=0.01")
+    summary = Trainer(cfg).train()
+    run_dir = tmp_path / "run"
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first, last = records[0], records[-1]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu"):
+        assert key in first
+    assert first["peak_source"] == "config"
+    assert last["loss"] < first["loss"] - 0.5, (first["loss"], last["loss"])
+    assert "val_loss" in last and summary["val_loss"] == last["val_loss"]
+    assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [6, 9, 12]  # keep = 3
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "step 12/12" in (run_dir / "train.log").read_text()
+
+
+def test_resume_in_process_is_exact(tiny_config, tmp_path):
+    straight = Trainer(tiny_config(run_dir=tmp_path / "straight"))
+    straight.train()
+    first = Trainer(tiny_config(run_dir=tmp_path / "split"))
+    for _ in range(3):  # what the loop does, stopping after step 3
+        first.train_step()
+        first.step += 1
+    first.save_checkpoint()
+    second = Trainer(tiny_config(run_dir=tmp_path / "split"))
+    assert second.step == 3
+    second.train()
+    reference = losses_by_step(tmp_path / "straight")
+    assert losses_by_step(tmp_path / "split") == {step: reference[step] for step in (4, 5, 6)}
+    for a, b in zip(straight.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _train_command(corpus, run_dir, cache_dir, *extra):
+    return [sys.executable, "-m", "megascale.cli", "train", *tiny_args(corpus, run_dir, cache_dir, *extra)]
+
+
+def _wait_for(predicate, timeout_s, proc):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited early with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def test_sigkill_then_restart_reproduces_losses_bit_for_bit(tiny_corpus, tmp_path):
+    """A run killed with SIGKILL after a checkpoint and restarted with the same command matches an
+    uninterrupted run exactly (fp32)."""
+    cache = tmp_path / "data"
+    steps = ["--training.steps=30", "--checkpoint.every=10"]
+    reference = subprocess.run(
+        _train_command(tiny_corpus, tmp_path / "straight", cache, *steps),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert reference.returncode == 0, reference.stderr
+    command = _train_command(tiny_corpus, tmp_path / "killed", cache, *steps)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Kill the first time a checkpoint has been committed and training has moved past it.
+        _wait_for(
+            lambda: (
+                list_checkpoints(tmp_path / "killed" / "checkpoints")
+                and max(losses_by_step(tmp_path / "killed"), default=0) > 10
+            ),
+            240,
+            proc,
+        )
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = max(losses_by_step(tmp_path / "killed"))
+    assert killed_at < 30, "the run finished before it could be killed"
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in (tmp_path / "killed" / "train.log").read_text()
+    reference_losses = losses_by_step(tmp_path / "straight")
+    assert losses_by_step(tmp_path / "killed") == reference_losses
+    assert len(reference_losses) == 30
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    command = _train_command(
+        tiny_corpus, run_dir, tmp_path / "data", "--training.steps=100000", "--checkpoint.every=100000"
+    )
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: max(losses_by_step(run_dir), default=0) >= 2, 240, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    assert len(checkpoints) == 1
+    step, path = checkpoints[0]
+    assert step == max(losses_by_step(run_dir))
+    assert json.loads((path / "megascale.json").read_text())["step"] == step
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--optim.name=lamb"],
+        [
+            "--model.block=parallel",
+            "--model.attention.window=8",
+            "--model.norm=layernorm",
+            "--model.mlp=gelu",
+            "--model.position=learned",
+        ],
+        ["--training.dtype=bfloat16"],
+    ],
+)
+def test_model_and_optimizer_options_train(tiny_config, extra):
+    cfg = tiny_config(*extra, "--training.steps=4", "--checkpoint.enabled=false")
+    summary = Trainer(cfg).train()
+    assert summary["step"] == 4 and torch.isfinite(torch.tensor(summary["loss"]))
