@@ -17,13 +17,19 @@ _MIN_BLOCK = 64  # below this, per-block overhead dominates the batched SDPA cal
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Attention of q over k, v, all shaped [batch, heads, seq, head_dim] (k/v already repeated for GQA).
+    """Attention of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads, seq, head_dim].
 
+    kv_heads must divide heads (grouped-query attention: query head h reads kv head h // (heads/kv_heads)).
     With `window` unset, or not smaller than seq, this is plain causal attention.
     """
     seq = q.shape[-2]
     if window is None or window >= seq:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # SDPA's GQA reads each kv head in place; repeating k/v first costs a copy and, in the backward,
+        # a reduction over the copies (~10-20% of attention's fwd+bwd time on CPU).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     return sliding_window_attention(q, k, v, window)
 
 

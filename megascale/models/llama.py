@@ -74,9 +74,6 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         out = causal_attention(q, k, v, self.window)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

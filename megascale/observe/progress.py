@@ -7,6 +7,7 @@ step is a plain line, so logs stay greppable.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -23,6 +24,16 @@ from rich.progress import (
 log = logging.getLogger("megascale")
 
 
+class PlainStderrHandler(logging.Handler):
+    """One unwrapped line per record on whatever sys.stderr is at the time (not a captured old stream)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 (logging must never raise into training)
+            self.handleError(record)
+
+
 def setup_logging(run_dir: Path | None, console: Console, debug: bool = False) -> None:
     """megascale's log lines to the console (through rich) and to <run_dir>/train.log."""
     log.setLevel(logging.DEBUG if debug else logging.INFO)
@@ -30,9 +41,16 @@ def setup_logging(run_dir: Path | None, console: Console, debug: bool = False) -
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
-    log.addHandler(
-        RichHandler(console=console, show_path=False, show_level=False, markup=False, log_time_format="[%X]")
-    )
+    if console.is_terminal:
+        log.addHandler(
+            RichHandler(
+                console=console, show_path=False, show_level=False, markup=False, log_time_format="[%X]"
+            )
+        )
+    else:
+        plain = PlainStderrHandler()
+        plain.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+        log.addHandler(plain)
     if run_dir is not None:
         file_handler = logging.FileHandler(run_dir / "train.log")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -1,0 +1,42 @@
+"""Peak FLOP/s for MFU: the table, the config, the measured CPU peak, and refusing to guess."""
+
+import json
+
+import torch
+
+from megascale.cli import main
+from megascale.observe import peak
+from megascale.observe.peak import Peak, peak_for
+
+
+def test_configured_peak_wins():
+    assert peak_for(torch.device("cpu"), "float32", 2, 1.5) == Peak(1.5, "config")
+
+
+def test_table_lookup_by_device_name(monkeypatch):
+    monkeypatch.setattr(peak, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert peak_for(torch.device("cpu"), "bfloat16", 2, None) == Peak(989.0, "table")
+
+
+def test_unknown_device_is_refused_not_guessed(monkeypatch):
+    monkeypatch.setattr(peak, "device_name", lambda device: "Mystery Accelerator 9000")
+    assert peak_for(torch.device("meta"), "bfloat16", 2, None) is None
+
+
+def test_cpu_without_calibration_has_no_peak():
+    assert peak_for(torch.device("cpu"), "float32", 2, None) is None  # the cache is empty in tests
+
+
+def test_calibrate_measures_caches_and_is_then_used(capsys, monkeypatch):
+    monkeypatch.setattr(peak, "measure_matmul_tflops", lambda dtype, threads: 0.123)
+    assert main(["calibrate", "--dtype", "float32", "--threads", "2"]) == 0
+    assert "cpu_matmul_peak_float32_tflops 0.1230" in capsys.readouterr().out
+    cached = json.loads(peak.calibration_cache().read_text())
+    assert list(cached.values()) == [0.123]
+    assert peak_for(torch.device("cpu"), "float32", 2, None) == Peak(0.123, "measured")
+    assert peak_for(torch.device("cpu"), "float32", 1, None) is None  # another thread count: not measured
+
+
+def test_measured_matmul_peak_is_plausible():
+    tflops = peak.measure_matmul_tflops("float32", 1, size=256, seconds=0.2)
+    assert 1e-4 < tflops < 10

@@ -1,0 +1,52 @@
+"""`megascale convert`: a trained run to Hugging Face and back, and training from imported weights."""
+
+import pytest
+import torch
+
+from megascale.checkpoint.checkpointer import list_checkpoints
+from megascale.cli import main
+from megascale.config import load_config
+from megascale.trainer import Trainer
+from tests.conftest import tiny_args
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
+    args = tiny_args(tiny_corpus, tmp_path / "run", tmp_path / "data", "--training.steps=3")
+    assert main(["train", *args]) == 0
+    assert main(["convert", "--to", "hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+
+    trained = Trainer(load_config(None, args))  # resumes the final checkpoint: the trained weights
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, trained.model.eval()(tokens), atol=1e-5, rtol=0)
+
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    job = load_config(
+        tmp_path / "imported" / "train.toml", tiny_args(tiny_corpus, tmp_path / "ft", tmp_path / "data")
+    )
+    assert job.checkpoint.init_from == str((tmp_path / "imported").resolve())
+    fine_tuned = Trainer(job)
+    assert fine_tuned.step == 0
+    for (name, ours), theirs in zip(
+        trained.model.state_dict().items(), fine_tuned.model.state_dict().values()
+    ):
+        assert torch.equal(ours, theirs), name
+    fine_tuned.train()
+    assert list_checkpoints(tmp_path / "ft" / "checkpoints")
+
+
+def test_convert_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["convert", "--to", "hf", str(tmp_path), str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_convert_explains_a_source_that_is_not_a_checkpoint(tmp_path, capsys):
+    assert main(["convert", "--to", "hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err
