@@ -161,7 +161,7 @@ class OptimConfig:
 class TrainingConfig:
     """The training loop: steps, batch, precision, device and logging cadence."""
 
-    steps: int = option(450, "Optimizer steps to train for.", ge=1)
+    steps: int = option(360, "Optimizer steps to train for.", ge=1)
     global_batch_size: int = option(16, "Sequences per optimizer step.", ge=1)
     micro_batch_size: int = option(
         16,
@@ -185,7 +185,7 @@ class TrainingConfig:
         "Directory for checkpoints, metrics and logs; a run resumes from the newest checkpoint found here.",
     )
     log_every: int = option(10, "Log metrics every N steps.", ge=1)
-    val_every: int = option(150, "Compute validation loss every N steps (and at the last step).", ge=1)
+    val_every: int = option(120, "Compute validation loss every N steps (and at the last step).", ge=1)
     val_batches: int = option(8, "Micro-batches per validation.", ge=1)
     peak_tflops: float | None = option(
         None,
@@ -201,7 +201,7 @@ class CheckpointConfig:
     """Checkpoints: how often, how many, and whether to resume."""
 
     enabled: bool = option(True, "Save checkpoints.")
-    every: int = option(150, "Save every N steps (and at the last step, and on SIGINT/SIGTERM).", ge=1)
+    every: int = option(120, "Save every N steps (and at the last step, and on SIGINT/SIGTERM).", ge=1)
     keep: int = option(3, "Keep the newest K checkpoints.", ge=1)
     resume: bool = option(True, "Resume from the newest checkpoint in the run directory.")
     init_from: str | None = option(
