@@ -225,6 +225,50 @@ class MetricsConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """3D parallelism: data (replicated x sharded), tensor/sequence and pipeline degrees."""
+
+    dp_replicate: int = option(
+        1,
+        "Data-parallel replicas (HSDP's replicate dimension); each holds a full copy of the sharded state.",
+        ge=1,
+    )
+    dp_shard: int = option(
+        -1,
+        "Data-parallel ranks sharding parameters, gradients and optimizer state (FSDP2 / ZeRO); -1 takes "
+        "whatever the world size leaves after pp x dp_replicate x tp.",
+        ge=-1,
+    )
+    tp: int = option(1, "Tensor-parallel degree; keep it within a node (fastest links).", ge=1)
+    pp: int = option(1, "Pipeline-parallel stages.", ge=1)
+    sequence_parallel: bool = option(
+        True, "With tp > 1, also shard norms and the residual stream along the sequence (Megatron SP)."
+    )
+    zero_stage: int = option(
+        3,
+        "2: keep parameters gathered from forward to backward (ZeRO-2-like, more memory, less traffic); "
+        "3: free them after forward and gather again for backward.",
+        choices=(2, 3),
+    )
+    pp_schedule: str = option("1f1b", "Pipeline schedule.", choices=("1f1b", "interleaved_1f1b", "gpipe"))
+    pp_virtual_stages: int = option(
+        1, "Model chunks per pipeline rank; more than 1 needs pp_schedule = 'interleaved_1f1b'.", ge=1
+    )
+    pp_split: str = option(
+        "uniform",
+        "How layers are divided into stages: equal layer counts, or balanced by parameter count (the "
+        "embedding and output layer count towards the first and last stage).",
+        choices=("uniform", "params"),
+    )
+    activation_checkpoint: str = option(
+        "none",
+        "Recompute activations in the backward: every block whole ('full'), or keep the matmul outputs "
+        "and recompute only the cheap element-wise work: norms, activations, RoPE ('selective').",
+        choices=("none", "full", "selective"),
+    )
+
+
+@dataclass
 class JobConfig:
     """A whole training job."""
 
@@ -234,6 +278,7 @@ class JobConfig:
     training: TrainingConfig = section(TrainingConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     metrics: MetricsConfig = section(MetricsConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
 
     def validate(self) -> None:
         """Check every field's range and the rules between fields; raise ConfigError on the first."""
@@ -255,6 +300,8 @@ class JobConfig:
             )
         if self.data.seq_len > m.max_seq_len:
             _fail("data.seq_len", self.data.seq_len, f"exceeds model.max_seq_len = {m.max_seq_len}")
+        if self.parallel.dp_shard == 0:
+            _fail("parallel.dp_shard", 0, "must be >= 1, or -1 for the rest of the world size")
         if t.global_batch_size % t.micro_batch_size:
             _fail(
                 "training.global_batch_size",

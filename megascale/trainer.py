@@ -34,6 +34,7 @@ from megascale.observe.metrics import MetricsWriter
 from megascale.observe.peak import Peak, calibrate, peak_for
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
 from megascale.optim import build_lr_scheduler, build_optimizer
+from megascale.parallel.dims import ParallelDims
 
 log = logging.getLogger("megascale.trainer")
 
@@ -115,6 +116,8 @@ class Trainer(Stateful):
         self.cfg = cfg
         training = cfg.training
         self.console = console or make_console()
+        # Multi-process training is not wired in yet: the layout must fit this one process.
+        self.parallel_dims = ParallelDims.from_config(cfg, world_size=1)
         self.run_dir = prepare_run_dir(training.run_dir)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         resume_from = self.checkpointer.latest() if cfg.checkpoint.resume else None

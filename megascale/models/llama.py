@@ -75,7 +75,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            # The tables cover max_seq_len; slice here, where the whole sequence is present (the residual
+            # stream around this module may be sequence-sharded).
+            cos, signed_sin = rope[0][:seq], rope[1][:seq]
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         out = causal_attention(q, k, v, self.window)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -152,13 +155,16 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`tokens` are ids [batch, seq] on the stage holding the embedding, else hidden states."""
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens exceeds model.max_seq_len = {self.cfg.max_seq_len}"
+            )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len = {self.cfg.max_seq_len}")
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings.weight[:seq]
-        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.cfg.position == "rope" else None
+            # A module call (not a slice of the weight) so that sharding can treat it like the embedding.
+            h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device)[None])
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

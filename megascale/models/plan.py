@@ -1,0 +1,33 @@
+"""How the Transformer may be sharded, declared in plain words beside the model (no parallel imports).
+
+megascale.parallel turns these words into DTensor styles; the model code itself never changes. The words:
+- "vocab_embedding": embedding rows sharded over the vocabulary (or positions); its output enters the
+  residual stream.
+- "vocab_output": output projection sharded over the vocabulary; the loss is computed on the shards.
+- "sequence": an element-wise module (norm) run on a sequence shard of the residual stream.
+- "gather_sequence": a module whose input is the residual stream and which needs the whole sequence.
+- "colwise" / "rowwise": a linear layer split by output features / by input features (Megatron).
+"""
+
+BLOCKS = "layers"
+
+TOP_LEVEL_PLAN = {
+    "tok_embeddings": "vocab_embedding",
+    "pos_embeddings": "vocab_embedding",
+    "norm": "sequence",
+    "output": "vocab_output",
+}
+
+BLOCK_PLAN = {
+    "attention_norm": "sequence",
+    "ffn_norm": "sequence",
+    "attention": "gather_sequence",
+    "attention.wq": "colwise",
+    "attention.wk": "colwise",
+    "attention.wv": "colwise",
+    "attention.wo": "rowwise",
+    "feed_forward": "gather_sequence",
+    "feed_forward.w1": "colwise",
+    "feed_forward.w3": "colwise",
+    "feed_forward.w2": "rowwise",
+}

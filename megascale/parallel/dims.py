@@ -1,0 +1,156 @@
+"""ParallelDims: the one owner of the 3D layout, its validation, the device mesh and every process group.
+
+The layout is pp x dp_replicate x dp_shard x tp = world. Ranks are numbered with TP innermost (the fastest
+links, inside a node), then data parallelism, then pipeline stages outermost (paper §2: DP groups are built
+before PP groups so that DP traffic stays inside a pod). Every rule about which layouts are legal is
+checked here, before any process group exists, so a bad layout costs one clear line and no hang.
+DeviceMesh does the group creation; this class decides the shape and names the sub-meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from megascale.config import JobConfig
+from megascale.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def _fail(key: str, value: object, why: str) -> None:
+    raise ConfigError(f"config: {key} = {value!r} {why}")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallelism; `world_size` is their product."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
+        """Resolve dp_shard = -1 (the rest of the world) and validate the whole layout against the job."""
+        par = cfg.parallel
+        fixed = par.pp * par.dp_replicate * par.tp
+        dp_shard = par.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                _fail(
+                    "parallel pp x dp_replicate x tp", fixed, f"does not divide the world size {world_size}"
+                )
+            dp_shard = world_size // fixed
+        dims = cls(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp)
+        dims.validate(cfg, world_size)
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many distinct batches one step reads."""
+        return self.dp_replicate * self.dp_shard
+
+    def validate(self, cfg: JobConfig, world_size: int) -> None:
+        """Every layout rule, each failing with the field, its value and what would fit."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"config: parallel layout pp x dp_replicate x dp_shard x tp = {self.pp} x "
+                f"{self.dp_replicate} x {self.dp_shard} x {self.tp} = {self.world_size} must equal the world "
+                f"size {world_size}"
+            )
+        model, training, par = cfg.model, cfg.training, cfg.parallel
+        heads, kv_heads = model.attention.n_heads, model.attention.n_kv_heads
+        for key, value in (
+            ("model.dim", model.dim),
+            ("model.attention.n_heads", heads),
+            ("model.attention.n_kv_heads", kv_heads),
+            ("model.vocab_size", model.vocab_size),
+        ):
+            if value % self.tp:
+                _fail(key, value, f"is not divisible by parallel.tp = {self.tp}")
+        if self.tp > 1 and model.position == "learned" and model.max_seq_len % self.tp:
+            _fail(
+                "model.max_seq_len",
+                model.max_seq_len,
+                f"is not divisible by parallel.tp = {self.tp} "
+                "(the learned position table is sharded like the embedding)",
+            )
+        if self.tp > 1 and par.sequence_parallel and cfg.data.seq_len % self.tp:
+            _fail(
+                "data.seq_len",
+                cfg.data.seq_len,
+                f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)",
+            )
+        stages = self.pp * par.pp_virtual_stages
+        if stages > model.n_layers:
+            _fail(
+                "parallel.pp",
+                self.pp,
+                f"x pp_virtual_stages = {par.pp_virtual_stages} gives {stages} "
+                f"stages, more than model.n_layers = {model.n_layers}",
+            )
+        if par.pp_virtual_stages > 1 and par.pp_schedule != "interleaved_1f1b":
+            _fail(
+                "parallel.pp_virtual_stages",
+                par.pp_virtual_stages,
+                f"needs parallel.pp_schedule = 'interleaved_1f1b', not {par.pp_schedule!r}",
+            )
+        per_rank_batch = training.global_batch_size // self.dp
+        if training.global_batch_size % self.dp:
+            _fail(
+                "training.global_batch_size",
+                training.global_batch_size,
+                f"is not divisible by the data-parallel degree {self.dp} (dp_replicate x dp_shard)",
+            )
+        if per_rank_batch % training.micro_batch_size:
+            _fail(
+                "training.micro_batch_size",
+                training.micro_batch_size,
+                f"does not divide the per-rank batch {per_rank_batch} (global_batch_size / dp)",
+            )
+        microbatches = per_rank_batch // training.micro_batch_size
+        if self.pp > 1 and microbatches < self.pp:
+            _fail(
+                "training.micro_batch_size",
+                training.micro_batch_size,
+                f"leaves {microbatches} micro-batches per step, fewer than parallel.pp = {self.pp}; "
+                f"the pipeline schedule needs at least pp",
+            )
+        if self.pp > 1 and par.pp_schedule == "interleaved_1f1b" and microbatches % self.pp:
+            _fail(
+                "training.micro_batch_size",
+                training.micro_batch_size,
+                f"leaves {microbatches} micro-batches per step; interleaved 1F1B needs a multiple of "
+                f"parallel.pp = {self.pp}",
+            )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 4-D mesh (pp, dp_replicate, dp_shard, tp) with flattened 'dp' and 'dp_shard_tp' views.
+
+        Collective: every rank must call it, in the same order. Group creation is left to DeviceMesh.
+        """
+        mesh = init_device_mesh(
+            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    def describe(self) -> str:
+        return f"pp{self.pp} x dp_replicate{self.dp_replicate} x dp_shard{self.dp_shard} x tp{self.tp}"
+
+
+def device_and_backend() -> tuple[torch.device, str]:
+    """The accelerator of this process if there is one (NCCL-class backend), else the CPU with gloo."""
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        return accelerator, dist.get_default_backend_for_device(accelerator)
+    return torch.device("cpu"), "gloo"

@@ -1,0 +1,91 @@
+"""Tensor + sequence parallelism (Megatron-style) applied to a model from its declared plan, with DTensor.
+
+Column-wise q/k/v/gate/up and row-wise o/down linears split every block's matmuls over the TP ranks;
+with sequence parallelism the residual stream, norms and dropout live on sequence shards between them, so
+the all-reduce of plain TP becomes an all-gather before each column-parallel input and a reduce-scatter
+after each row-parallel output (paper §3.2, Fig. 3a). The embedding and the output layer are split over
+the vocabulary and the loss is computed on vocabulary shards (`loss_parallel`). DTensor's parallel styles
+do all of this; what this module adds is the mapping from the model's plain-words plan (models/plan.py)
+to those styles, so neither side names the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+def _style(word: str, sequence_parallel: bool, module: nn.Module):
+    """The DTensor parallel style for one plan word, or None when the word needs nothing without SP."""
+    stream = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    if word == "colwise":
+        return ColwiseParallel()
+    if word == "rowwise":
+        return RowwiseParallel(output_layouts=stream)
+    if word == "sequence":
+        return SequenceParallel() if sequence_parallel else None
+    if word == "gather_sequence":
+        if not sequence_parallel:
+            return None
+        # Only the first argument (the hidden states) is gathered; the rest (e.g. RoPE tables) pass as-is.
+        others = (None,) * (len(inspect.signature(module.forward).parameters) - 1)
+        return PrepareModuleInput(
+            input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others)
+        )
+    if word == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if word == "vocab_output":
+        return ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    raise ValueError(f"unknown tensor-parallel plan word {word!r}")
+
+
+def _present(module: nn.Module, name: str) -> bool:
+    """False for submodules a pipeline stage dropped or a block type lacks (the parallel block's ffn_norm)."""
+    try:
+        return module.get_submodule(name) is not None
+    except AttributeError:
+        return False
+
+
+def _plan_for(module: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict:
+    styles = {}
+    for name, word in plan.items():
+        style = (
+            _style(word, sequence_parallel, module.get_submodule(name)) if _present(module, name) else None
+        )
+        if style is not None:
+            styles[name] = style
+    return styles
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    blocks: str,
+    block_plan: dict[str, str],
+    top_level_plan: dict[str, str],
+    sequence_parallel: bool,
+) -> None:
+    """Shard `model` in place over `tp_mesh`. Collective over the TP group; every TP rank calls it with
+    an identical model (same weights), whose tensors become DTensors holding this rank's shard."""
+    for block in model.get_submodule(blocks).children():
+        parallelize_module(block, tp_mesh, _plan_for(block, block_plan, sequence_parallel))
+    parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel))
+
+
+def loss_context(tensor_parallel: bool) -> contextlib.AbstractContextManager:
+    """Where the loss must be computed: on vocabulary shards under TP (no gather of the logits)."""
+    return loss_parallel() if tensor_parallel else contextlib.nullcontext()

@@ -1,0 +1,62 @@
+"""Run a function on N local ranks joined by a gloo process group, with a hard timeout.
+
+Ranks are forked from the test process after `import torch` (no store or process group exists yet, which
+is what makes forking safe), so N ranks start in a fraction of a second instead of seconds each. A rank's
+exception, or a hang past the timeout, fails the calling test; every child is killed by pid either way.
+"""
+
+import multiprocessing
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def _rank_main(fn, rank, world_size, init_file, results, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 (reported to the parent, which fails the test)
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
+    """fn(rank, world_size, *args) on every rank; returns the ranks' return values in rank order."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            context.Process(target=_rank_main, args=(fn, rank, world_size, init_file, results, args))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        outcomes = {}
+        try:
+            for _ in range(world_size):
+                rank, status, value = results.get(timeout=timeout_s)
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{value}")
+                outcomes[rank] = value
+        finally:
+            for proc in procs:
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    return [outcomes[rank] for rank in range(world_size)]

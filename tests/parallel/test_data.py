@@ -1,0 +1,83 @@
+"""FSDP2 (ZeRO-2 / ZeRO-3), HSDP and FSDP x TP against one process: loss and gradients of a full batch."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from megascale.config import AttentionConfig, ModelConfig
+from megascale.models import plan
+from megascale.models.llama import Transformer
+from megascale.parallel.data import apply_fsdp
+from megascale.parallel.tensor import apply_tensor_parallel, loss_context
+from tests.parallel.multiprocess import run_ranks
+
+BATCH = 4
+
+
+def _errors(rank, world_size, mesh_shape, mesh_names, zero_stage, block):
+    """(|mean loss - reference|, max |grad - reference grad|) for one layout."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
+    cfg = ModelConfig(
+        dim=64,
+        n_layers=2,
+        vocab_size=96,
+        max_seq_len=32,
+        block=block,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2),
+    )
+    torch.manual_seed(0)
+    reference = Transformer(cfg)
+    sharded = copy.deepcopy(reference)
+    tp = "tp" in mesh_names
+    if tp:
+        apply_tensor_parallel(
+            sharded,
+            mesh["tp"],
+            blocks=plan.BLOCKS,
+            block_plan=plan.BLOCK_PLAN,
+            top_level_plan=plan.TOP_LEVEL_PLAN,
+            sequence_parallel=True,
+        )
+    dp_names = tuple(name for name in mesh_names if name != "tp")
+    apply_fsdp(sharded, mesh[dp_names], blocks=plan.BLOCKS, zero_stage=zero_stage)
+
+    tokens = torch.randint(0, 96, (BATCH, 33), generator=torch.Generator().manual_seed(1))
+    ref_loss = F.cross_entropy(reference(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    ref_loss.backward()
+    dp_mesh = mesh[dp_names]._flatten("dp") if len(dp_names) > 1 else mesh[dp_names[0]]
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    local = tokens.chunk(dp_size)[dp_rank]
+    logits = sharded(local[:, :-1])
+    with loss_context(tp):
+        loss = F.cross_entropy(logits.flatten(0, 1), local[:, 1:].flatten())
+        loss.backward()
+    loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    dist.all_reduce(loss, group=dp_mesh.get_group())
+    grad_error = max(
+        ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref.grad).abs().max().item()
+        for ref, p in zip(reference.parameters(), sharded.parameters())
+    )
+    return (loss / dp_size - ref_loss).abs().item(), grad_error
+
+
+@pytest.mark.parametrize(
+    "world_size, mesh_shape, mesh_names, zero_stage, block",
+    [
+        (2, (2,), ("dp_shard",), 3, "serial"),
+        (2, (2,), ("dp_shard",), 2, "parallel"),
+        (4, (2, 2), ("dp_replicate", "dp_shard"), 3, "serial"),
+        (4, (2, 2), ("dp_shard", "tp"), 3, "parallel"),
+    ],
+)
+def test_fsdp_layouts_match_single_process(world_size, mesh_shape, mesh_names, zero_stage, block):
+    loss_error, grad_error = run_ranks(_errors, world_size, mesh_shape, mesh_names, zero_stage, block)[0]
+    print(
+        f"{mesh_names} {mesh_shape} zero{zero_stage} {block}: |delta loss| {loss_error:.2e}, "
+        f"max |delta grad| {grad_error:.2e}"
+    )
+    assert loss_error <= 1e-5 and grad_error <= 1e-5

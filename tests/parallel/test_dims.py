@@ -1,0 +1,107 @@
+"""Layout validation: every bad layout is one clear ConfigError before any process group exists."""
+
+import pytest
+
+from megascale.config import load_config
+from megascale.errors import ConfigError
+from megascale.parallel.dims import ParallelDims
+
+SMALL = [
+    "--model.dim=64",
+    "--model.n_layers=4",
+    "--model.attention.n_heads=4",
+    "--model.attention.n_kv_heads=2",
+    "--model.vocab_size=264",
+    "--data.seq_len=32",
+    "--model.max_seq_len=32",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=1",
+]
+
+
+def dims(world_size, *overrides):
+    return ParallelDims.from_config(load_config(None, [*SMALL, *overrides]), world_size)
+
+
+def test_dp_shard_takes_the_rest_of_the_world():
+    assert dims(8, "--parallel.tp=2", "--parallel.pp=2") == ParallelDims(
+        pp=2, dp_replicate=1, dp_shard=2, tp=2
+    )
+    assert dims(4, "--parallel.dp_replicate=2") == ParallelDims(pp=1, dp_replicate=2, dp_shard=2, tp=1)
+    assert dims(1).world_size == 1 and dims(1).dp == 1
+
+
+@pytest.mark.parametrize(
+    "world, overrides, message",
+    [
+        (4, ["--parallel.dp_shard=3"], "1 x 1 x 3 x 1 = 3 must equal the world size 4"),
+        (6, ["--parallel.tp=4"], "does not divide the world size 6"),
+        (8, ["--parallel.tp=8"], "model.attention.n_heads = 4 is not divisible by parallel.tp = 8"),
+        (4, ["--parallel.tp=4"], "model.attention.n_kv_heads = 2 is not divisible by parallel.tp = 4"),
+        (
+            2,
+            [
+                "--parallel.tp=2",
+                "--model.dim=33",
+                "--model.position=learned",
+                "--model.attention.n_heads=3",
+                "--model.attention.n_kv_heads=3",
+            ],
+            "model.dim = 33 is not divisible by parallel.tp = 2",
+        ),
+        (
+            2,
+            ["--parallel.tp=2", "--model.vocab_size=257"],
+            "model.vocab_size = 257 is not divisible by parallel.tp = 2",
+        ),
+        (
+            2,
+            ["--parallel.tp=2", "--data.seq_len=31"],
+            "data.seq_len = 31 is not divisible by parallel.tp = 2",
+        ),
+        (8, ["--parallel.pp=8", "--parallel.dp_shard=1"], "8 stages, more than model.n_layers = 4"),
+        (
+            4,
+            ["--parallel.pp=2", "--parallel.pp_virtual_stages=2"],
+            "needs parallel.pp_schedule = 'interleaved_1f1b'",
+        ),
+        (
+            4,
+            ["--parallel.pp=2", "--parallel.pp_virtual_stages=4", "--parallel.pp_schedule=interleaved_1f1b"],
+            "gives 8 stages, more than model.n_layers = 4",
+        ),
+        (3, [], "training.global_batch_size = 8 is not divisible by the data-parallel degree 3"),
+        (
+            4,
+            ["--training.micro_batch_size=4"],
+            "training.micro_batch_size = 4 does not divide the per-rank batch 2",
+        ),
+        (
+            4,
+            ["--parallel.pp=4", "--training.micro_batch_size=4"],
+            "leaves 2 micro-batches per step, fewer than",
+        ),
+        (
+            6,
+            [
+                "--parallel.pp=3",
+                "--parallel.pp_schedule=interleaved_1f1b",
+                "--model.n_layers=6",
+                "--training.global_batch_size=8",
+                "--training.micro_batch_size=1",
+                "--parallel.dp_shard=2",
+            ],
+            "leaves 4 micro-batches per step; interleaved 1F1B needs a multiple of parallel.pp = 3",
+        ),
+    ],
+)
+def test_bad_layouts_fail_with_one_clear_line(world, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        dims(world, *overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_dp_shard_zero_is_rejected_by_the_config():
+    with pytest.raises(ConfigError, match="parallel.dp_shard = 0 must be >= 1, or -1"):
+        load_config(None, ["--parallel.dp_shard=0"])

@@ -1,0 +1,75 @@
+"""Tensor + sequence parallelism against the same model on one process: loss and every gradient."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from megascale.config import AttentionConfig, ModelConfig
+from megascale.models import plan
+from megascale.models.llama import Transformer
+from megascale.parallel.tensor import apply_tensor_parallel, loss_context
+from tests.parallel.multiprocess import run_ranks
+
+CASES = [
+    dict(block="serial", window=None, sequence_parallel=True),
+    dict(block="serial", window=None, sequence_parallel=False),
+    dict(block="parallel", window=None, sequence_parallel=True),
+    dict(block="serial", window=8, sequence_parallel=True),
+    dict(block="parallel", window=8, sequence_parallel=False),
+    dict(
+        block="serial", window=None, sequence_parallel=True, position="learned", norm="layernorm", mlp="gelu"
+    ),
+]
+
+
+def _max_errors(rank, world_size):
+    """Per case: (|loss - reference|, max over parameters of |grad - reference grad|)."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    errors = []
+    for case in CASES:
+        cfg = ModelConfig(
+            dim=64,
+            n_layers=2,
+            vocab_size=96,
+            max_seq_len=32,
+            block=case["block"],
+            attention=AttentionConfig(n_heads=4, n_kv_heads=2, window=case["window"]),
+        )
+        torch.manual_seed(0)
+        reference = Transformer(cfg)
+        sharded = copy.deepcopy(reference)
+        apply_tensor_parallel(
+            sharded,
+            mesh,
+            blocks=plan.BLOCKS,
+            block_plan=plan.BLOCK_PLAN,
+            top_level_plan=plan.TOP_LEVEL_PLAN,
+            sequence_parallel=case["sequence_parallel"],
+        )
+        tokens = torch.randint(0, 96, (3, 33), generator=torch.Generator().manual_seed(1))
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), labels.flatten())
+        ref_loss.backward()
+        logits = sharded(inputs)
+        with loss_context(True):
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        loss_value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        grad_error = 0.0
+        for (_name, ref_param), param in zip(reference.named_parameters(), sharded.parameters()):
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            grad_error = max(grad_error, (grad - ref_param.grad).abs().max().item())
+        errors.append(((loss_value - ref_loss).abs().item(), grad_error))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_tp_matches_single_process(world_size):
+    per_rank = run_ranks(_max_errors, world_size)
+    for case, (loss_error, grad_error) in zip(CASES, per_rank[0]):
+        print(f"tp{world_size} {case}: |delta loss| {loss_error:.2e}, max |delta grad| {grad_error:.2e}")
+        assert loss_error <= 1e-5 and grad_error <= 1e-5, case
