@@ -14,6 +14,7 @@ import logging
 import math
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,9 +104,9 @@ def check_model_matches(checkpoint: Path, descriptor: dict[str, Any], model_cfg:
         )
 
 
-def load_model_weights(checkpoint: Path, model: torch.nn.Module, model_cfg: ModelConfig) -> None:
-    """Load only the model entry of a checkpoint (no optimizer, schedule or data position)."""
-    check_model_matches(checkpoint, read_descriptor(checkpoint), model_cfg)
+def load_model_weights(checkpoint: Path, model: torch.nn.Module) -> None:
+    """Load only the model entry of a checkpoint (no optimizer, schedule or data position); the caller has
+    checked it was written for this model's shape (`check_model_matches`)."""
     Checkpointer(checkpoint.parent, keep=1).load(checkpoint, {"model": ModelState(model)})
 
 
@@ -173,7 +174,7 @@ class Trainer(Stateful):
             self.checkpointer.load(resume_from, self.checkpoint_state())
             log.info("resumed from %s at step %d", resume_from, self.step)
         elif cfg.checkpoint.init_from is not None:
-            load_model_weights(Path(cfg.checkpoint.init_from).expanduser(), self.model, cfg.model)
+            load_model_weights(Path(cfg.checkpoint.init_from).expanduser(), self.model)
             log.info("initialised the model from %s", cfg.checkpoint.init_from)
 
     # -- Stateful ------------------------------------------------------------------------------------
@@ -363,6 +364,9 @@ class Trainer(Stateful):
                 raise KeyboardInterrupt
             self._stop_signal = signum
 
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+            yield
+            return
         previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield

@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -146,3 +147,21 @@ def test_model_and_optimizer_options_train(tiny_config, extra):
     cfg = tiny_config(*extra, "--training.steps=4", "--checkpoint.enabled=false")
     summary = Trainer(cfg).train()
     assert summary["step"] == 4 and torch.isfinite(torch.tensor(summary["loss"]))
+
+
+def test_trains_outside_the_main_thread(tiny_config):
+    """Signal handlers can only be installed from the main thread; elsewhere training runs without them."""
+    outcome = {}
+
+    def run():
+        try:
+            cfg = tiny_config("--training.steps=2", "--checkpoint.enabled=false")
+            outcome["summary"] = Trainer(cfg).train()
+        except Exception as err:  # noqa: BLE001 (reported below)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=120)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["summary"]["step"] == 2

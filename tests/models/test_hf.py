@@ -54,6 +54,19 @@ def make_hf_model(n_heads: int, n_kv_heads: int, tied: bool) -> "transformers.Ll
     return model
 
 
+def layout_config(layout: str, rope_theta: float = 10000.0) -> ModelConfig:
+    """A small ModelConfig with the heads and tying of one of HEAD_LAYOUTS."""
+    n_heads, n_kv_heads, tied = HEAD_LAYOUTS[layout]
+    return ModelConfig(
+        dim=64,
+        n_layers=2,
+        vocab_size=VOCAB,
+        max_seq_len=64,
+        tie_embeddings=tied,
+        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_theta=rope_theta),
+    )
+
+
 def make_our_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(cfg).eval()
@@ -93,15 +106,8 @@ def test_import_matches_transformers_logits(layout):
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 def test_export_then_import_is_lossless(layout, tmp_path):
-    n_heads, n_kv_heads, tied = HEAD_LAYOUTS[layout]
-    cfg = ModelConfig(
-        dim=64,
-        n_layers=2,
-        vocab_size=VOCAB,
-        max_seq_len=64,
-        tie_embeddings=tied,
-        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_theta=1234.0),
-    )
+    cfg = layout_config(layout, rope_theta=1234.0)
+    tied = cfg.tie_embeddings
     state_dict = make_our_model(cfg).state_dict()
     save_hf(state_dict, cfg, tmp_path)
 
@@ -139,15 +145,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 @torch.no_grad()
 def test_exported_folder_runs_in_transformers(layout, tmp_path):
-    n_heads, n_kv_heads, tied = HEAD_LAYOUTS[layout]
-    cfg = ModelConfig(
-        dim=64,
-        n_layers=2,
-        vocab_size=VOCAB,
-        max_seq_len=64,
-        tie_embeddings=tied,
-        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads),
-    )
+    cfg = layout_config(layout)
     ours = make_our_model(cfg, seed=3)
     save_hf(ours.state_dict(), cfg, tmp_path)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
