@@ -285,32 +285,33 @@ class JobConfig:
         _check_fields(self, "")
         m, a, t = self.model, self.model.attention, self.training
         if m.dim % a.n_heads:
-            _fail("model.attention.n_heads", a.n_heads, f"must divide model.dim = {m.dim}")
+            fail("model.attention.n_heads", a.n_heads, f"must divide model.dim = {m.dim}")
         if a.n_heads % a.n_kv_heads:
-            _fail(
+            fail(
                 "model.attention.n_kv_heads",
                 a.n_kv_heads,
                 f"must divide model.attention.n_heads = {a.n_heads}",
             )
         if (m.dim // a.n_heads) % 2 and m.position == "rope":
-            _fail(
+            fail(
                 "model.attention.n_heads",
                 a.n_heads,
                 f"gives an odd head size {m.dim // a.n_heads}; RoPE needs an even one",
             )
         if self.data.seq_len > m.max_seq_len:
-            _fail("data.seq_len", self.data.seq_len, f"exceeds model.max_seq_len = {m.max_seq_len}")
+            fail("data.seq_len", self.data.seq_len, f"exceeds model.max_seq_len = {m.max_seq_len}")
         if self.parallel.dp_shard == 0:
-            _fail("parallel.dp_shard", 0, "must be >= 1, or -1 for the rest of the world size")
+            fail("parallel.dp_shard", 0, "must be >= 1, or -1 for the rest of the world size")
         if t.global_batch_size % t.micro_batch_size:
-            _fail(
+            fail(
                 "training.global_batch_size",
                 t.global_batch_size,
                 f"must be a multiple of training.micro_batch_size = {t.micro_batch_size}",
             )
 
 
-def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
+def fail(key: str, value: Any, why: str) -> typing.NoReturn:
+    """Raise the one-line ConfigError every config check uses: field, bad value, what is wrong."""
     raise ConfigError(f"config: {key} = {value!r} {why}")
 
 
@@ -340,16 +341,16 @@ def _check_fields(obj: Any, prefix: str) -> None:
         base, optional = _base_type(hints[f.name])
         if value is None:
             if not optional:
-                _fail(key, value, "must be set")
+                fail(key, value, "must be set")
             continue
         if base is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
             setattr(obj, f.name, value)
         if not isinstance(value, base) or (base is int and isinstance(value, bool)):
-            _fail(key, value, f"must be of type {base.__name__}")
+            fail(key, value, f"must be of type {base.__name__}")
         meta = f.metadata
         if meta["choices"] and value not in meta["choices"]:
-            _fail(key, value, f"is not one of {', '.join(map(repr, meta['choices']))}")
+            fail(key, value, f"is not one of {', '.join(map(repr, meta['choices']))}")
         bounds = [
             ("ge", ">=", value >= meta["ge"] if meta["ge"] is not None else True),
             ("gt", ">", value > meta["gt"] if meta["gt"] is not None else True),
@@ -358,7 +359,7 @@ def _check_fields(obj: Any, prefix: str) -> None:
         ]
         for name, symbol, ok in bounds:
             if not ok:
-                _fail(key, value, f"is out of range: must be {symbol} {meta[name]}")
+                fail(key, value, f"is out of range: must be {symbol} {meta[name]}")
 
 
 def all_keys(cls: type = JobConfig, prefix: str = "") -> list[str]:
@@ -416,11 +417,12 @@ def _set(cfg: JobConfig, key: str, value: Any, from_text: bool) -> None:
     setattr(obj, parts[-1], _parse_scalar(key, value, tp) if from_text else value)
 
 
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_keys(table: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
     flat = {}
     for key, value in table.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, prefix + key + "."))
+            flat.update(flatten_keys(value, prefix + key + "."))
         else:
             flat[prefix + key] = value
     return flat
@@ -437,7 +439,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
             table = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config: {path} is not valid TOML: {err}") from None
-        for key, value in _flatten(table).items():
+        for key, value in flatten_keys(table).items():
             _set(cfg, key, value, from_text=False)
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
@@ -482,7 +484,7 @@ def to_toml(cfg: Any) -> str:
 def from_dict(table: dict) -> JobConfig:
     """Rebuild a JobConfig from `to_dict` output (as stored in checkpoints)."""
     cfg = JobConfig()
-    for key, value in _flatten(table).items():
+    for key, value in flatten_keys(table).items():
         _set(cfg, key, value, from_text=False)
     return cfg
 

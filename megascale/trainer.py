@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.checkpoint.checkpointer import Checkpointer, read_descriptor
 from megascale.checkpoint.stateful import ModelState, OptimizerState
-from megascale.config import JobConfig, ModelConfig, to_dict
+from megascale.config import JobConfig, ModelConfig, flatten_keys, to_dict
 from megascale.data import build_dataloaders
 from megascale.errors import CheckpointError, ConfigError
 from megascale.models.flops import flops_per_token, num_params
@@ -80,20 +80,10 @@ def prepare_run_dir(path: str) -> Path:
     return run_dir
 
 
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
 def check_model_matches(checkpoint: Path, descriptor: dict[str, Any], model_cfg: ModelConfig) -> None:
     """Refuse a checkpoint written for a model of another shape, naming the first differing field."""
-    saved = _flatten(descriptor.get("config", {}).get("model", {}))
-    current = _flatten(dataclasses.asdict(model_cfg))
+    saved = flatten_keys(descriptor.get("config", {}).get("model", {}))
+    current = flatten_keys(dataclasses.asdict(model_cfg))
     for key, value in current.items():
         if key in RESUMABLE_MODEL_CHANGES or saved.get(key, value) == value:
             continue

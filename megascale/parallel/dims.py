@@ -15,14 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megascale.config import JobConfig
+from megascale.config import JobConfig, fail
 from megascale.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-def _fail(key: str, value: object, why: str) -> None:
-    raise ConfigError(f"config: {key} = {value!r} {why}")
 
 
 @dataclass(frozen=True)
@@ -42,9 +38,7 @@ class ParallelDims:
         dp_shard = par.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
-                _fail(
-                    "parallel pp x dp_replicate x tp", fixed, f"does not divide the world size {world_size}"
-                )
+                fail("parallel pp x dp_replicate x tp", fixed, f"does not divide the world size {world_size}")
             dp_shard = world_size // fixed
         dims = cls(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp)
         dims.validate(cfg, world_size)
@@ -76,57 +70,57 @@ class ParallelDims:
             ("model.vocab_size", model.vocab_size),
         ):
             if value % self.tp:
-                _fail(key, value, f"is not divisible by parallel.tp = {self.tp}")
+                fail(key, value, f"is not divisible by parallel.tp = {self.tp}")
         if self.tp > 1 and model.position == "learned" and model.max_seq_len % self.tp:
-            _fail(
+            fail(
                 "model.max_seq_len",
                 model.max_seq_len,
                 f"is not divisible by parallel.tp = {self.tp} "
                 "(the learned position table is sharded like the embedding)",
             )
         if self.tp > 1 and par.sequence_parallel and cfg.data.seq_len % self.tp:
-            _fail(
+            fail(
                 "data.seq_len",
                 cfg.data.seq_len,
                 f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)",
             )
         stages = self.pp * par.pp_virtual_stages
         if stages > model.n_layers:
-            _fail(
+            fail(
                 "parallel.pp",
                 self.pp,
                 f"x pp_virtual_stages = {par.pp_virtual_stages} gives {stages} "
                 f"stages, more than model.n_layers = {model.n_layers}",
             )
         if par.pp_virtual_stages > 1 and par.pp_schedule != "interleaved_1f1b":
-            _fail(
+            fail(
                 "parallel.pp_virtual_stages",
                 par.pp_virtual_stages,
                 f"needs parallel.pp_schedule = 'interleaved_1f1b', not {par.pp_schedule!r}",
             )
         per_rank_batch = training.global_batch_size // self.dp
         if training.global_batch_size % self.dp:
-            _fail(
+            fail(
                 "training.global_batch_size",
                 training.global_batch_size,
                 f"is not divisible by the data-parallel degree {self.dp} (dp_replicate x dp_shard)",
             )
         if per_rank_batch % training.micro_batch_size:
-            _fail(
+            fail(
                 "training.micro_batch_size",
                 training.micro_batch_size,
                 f"does not divide the per-rank batch {per_rank_batch} (global_batch_size / dp)",
             )
         microbatches = per_rank_batch // training.micro_batch_size
         if self.pp > 1 and microbatches < self.pp:
-            _fail(
+            fail(
                 "training.micro_batch_size",
                 training.micro_batch_size,
                 f"leaves {microbatches} micro-batches per step, fewer than parallel.pp = {self.pp}; "
                 f"the pipeline schedule needs at least pp",
             )
         if self.pp > 1 and par.pp_schedule == "interleaved_1f1b" and microbatches % self.pp:
-            _fail(
+            fail(
                 "training.micro_batch_size",
                 training.micro_batch_size,
                 f"leaves {microbatches} micro-batches per step; interleaved 1F1B needs a multiple of "
