@@ -12,19 +12,13 @@ from megascale.config import AttentionConfig, ModelConfig
 from megascale.models import plan
 from megascale.models.llama import Transformer
 from megascale.parallel.activation import apply_activation_checkpointing
+from tests.parallel.tiny import tiny_model_config
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("block", ["serial", "parallel"])
 def test_checkpointed_model_gives_identical_loss_and_grads(mode, block):
-    cfg = ModelConfig(
-        dim=64,
-        n_layers=2,
-        vocab_size=96,
-        max_seq_len=32,
-        block=block,
-        attention=AttentionConfig(n_heads=4, n_kv_heads=2, window=8),
-    )
+    cfg = tiny_model_config(block, window=8)
     torch.manual_seed(0)
     plain = Transformer(cfg)
     wrapped = copy.deepcopy(plain)

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from megascale.config import AttentionConfig, ModelConfig
 from megascale.models import plan
 from megascale.models.llama import Transformer
 from megascale.parallel.data import apply_fsdp
 from megascale.parallel.tensor import apply_tensor_parallel, loss_context
 from tests.parallel.multiprocess import run_ranks
+from tests.parallel.tiny import tiny_model_config
 
 BATCH = 4
 
@@ -22,14 +22,7 @@ BATCH = 4
 def _errors(rank, world_size, mesh_shape, mesh_names, zero_stage, block):
     """(|mean loss - reference|, max |grad - reference grad|) for one layout."""
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
-    cfg = ModelConfig(
-        dim=64,
-        n_layers=2,
-        vocab_size=96,
-        max_seq_len=32,
-        block=block,
-        attention=AttentionConfig(n_heads=4, n_kv_heads=2),
-    )
+    cfg = tiny_model_config(block)
     torch.manual_seed(0)
     reference = Transformer(cfg)
     sharded = copy.deepcopy(reference)

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from megascale.config import AttentionConfig, ModelConfig
 from megascale.models import plan
 from megascale.models.llama import Transformer
 from megascale.parallel.tensor import apply_tensor_parallel, loss_context
 from tests.parallel.multiprocess import run_ranks
+from tests.parallel.tiny import tiny_model_config
 
 CASES = [
     dict(block="serial", window=None, sequence_parallel=True),
@@ -31,14 +31,8 @@ def _max_errors(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     errors = []
     for case in CASES:
-        cfg = ModelConfig(
-            dim=64,
-            n_layers=2,
-            vocab_size=96,
-            max_seq_len=32,
-            block=case["block"],
-            attention=AttentionConfig(n_heads=4, n_kv_heads=2, window=case["window"]),
-        )
+        options = {key: value for key, value in case.items() if key in ("position", "norm", "mlp")}
+        cfg = tiny_model_config(case["block"], case["window"], **options)
         torch.manual_seed(0)
         reference = Transformer(cfg)
         sharded = copy.deepcopy(reference)
