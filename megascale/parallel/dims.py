@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megascale.config import JobConfig, fail
@@ -128,7 +126,7 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh (pp, dp_replicate, dp_shard, tp) with flattened 'dp' and 'dp_shard_tp' views.
+        """The 4-D mesh (pp, dp_replicate, dp_shard, tp) with a flattened 'dp' view (dp_replicate x dp_shard).
 
         Collective: every rank must call it, in the same order. Group creation is left to DeviceMesh.
         """
@@ -137,14 +135,3 @@ class ParallelDims:
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
-
-    def describe(self) -> str:
-        return f"pp{self.pp} x dp_replicate{self.dp_replicate} x dp_shard{self.dp_shard} x tp{self.tp}"
-
-
-def device_and_backend() -> tuple[torch.device, str]:
-    """The accelerator of this process if there is one (NCCL-class backend), else the CPU with gloo."""
-    if torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
-        return accelerator, dist.get_default_backend_for_device(accelerator)
-    return torch.device("cpu"), "gloo"

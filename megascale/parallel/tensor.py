@@ -51,20 +51,19 @@ def _style(word: str, sequence_parallel: bool, module: nn.Module):
     raise ValueError(f"unknown tensor-parallel plan word {word!r}")
 
 
-def _present(module: nn.Module, name: str) -> bool:
-    """False for submodules a pipeline stage dropped or a block type lacks (the parallel block's ffn_norm)."""
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """None for submodules a pipeline stage dropped or a block type lacks (the parallel block's ffn_norm)."""
     try:
-        return module.get_submodule(name) is not None
+        return module.get_submodule(name)
     except AttributeError:
-        return False
+        return None
 
 
 def _plan_for(module: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict:
     styles = {}
     for name, word in plan.items():
-        style = (
-            _style(word, sequence_parallel, module.get_submodule(name)) if _present(module, name) else None
-        )
+        submodule = _submodule(module, name)
+        style = _style(word, sequence_parallel, submodule) if submodule is not None else None
         if style is not None:
             styles[name] = style
     return styles

@@ -5,6 +5,7 @@ import pytest
 from megascale.config import load_config
 from megascale.errors import ConfigError
 from megascale.parallel.dims import ParallelDims
+from tests.parallel.multiprocess import run_ranks
 
 SMALL = [
     "--model.dim=64",
@@ -105,3 +106,13 @@ def test_bad_layouts_fail_with_one_clear_line(world, overrides, message):
 def test_dp_shard_zero_is_rejected_by_the_config():
     with pytest.raises(ConfigError, match="parallel.dp_shard = 0 must be >= 1, or -1"):
         load_config(None, ["--parallel.dp_shard=0"])
+
+
+def _mesh_groups(rank, world_size):
+    mesh = ParallelDims(pp=1, dp_replicate=2, dp_shard=2, tp=1).build_mesh("cpu")
+    return mesh["dp"].size(), mesh["dp_shard"].size(), mesh["dp_shard"].get_local_rank()
+
+
+def test_build_mesh_names_every_dimension_and_flattens_dp():
+    # Ranks are numbered with the innermost dimension fastest: dp_shard rank = global rank % 2 here.
+    assert run_ranks(_mesh_groups, 4) == [(4, 2, rank % 2) for rank in range(4)]
