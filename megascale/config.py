@@ -266,6 +266,12 @@ class ParallelConfig:
         "and recompute only the cheap element-wise work: norms, activations, RoPE ('selective').",
         choices=("none", "full", "selective"),
     )
+    timeout_s: float = option(
+        600.0,
+        "Seconds a collective may wait for its peers before failing the job (a dead peer fails it at "
+        "once; a hung one only after this).",
+        gt=0,
+    )
 
 
 @dataclass

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
+import os
 import signal
 import tempfile
 import threading
@@ -21,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.checkpoint.checkpointer import Checkpointer, read_descriptor
-from megascale.checkpoint.stateful import ModelState, OptimizerState
+from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
 from megascale.config import JobConfig, ModelConfig, flatten_keys, to_dict
 from megascale.data import build_dataloaders
 from megascale.errors import CheckpointError, ConfigError
@@ -36,6 +40,9 @@ from megascale.observe.peak import Peak, calibrate, peak_for
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
 from megascale.optim import build_lr_scheduler, build_optimizer
 from megascale.parallel.dims import ParallelDims
+from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
+from megascale.parallel.parallelize import parallelize
+from megascale.parallel.tensor import loss_context
 
 log = logging.getLogger("megascale.trainer")
 
@@ -52,17 +59,16 @@ class StepMetrics:
     data_wait_s: float
 
 
-def pick_device(name: str) -> torch.device:
-    """'auto' means the current accelerator (CUDA, XPU, ...) if there is one, else the CPU."""
-    if name == "auto":
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        return accelerator if accelerator is not None else torch.device("cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(
-            f"config: training.device = {name!r} is not a device; use 'auto', 'cpu' or 'cuda'"
-        ) from None
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, in float32 whatever the autocast dtype (on vocabulary shards
+    under tensor parallelism, inside `loss_context`)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor as the whole tensor it stands for (collective if sharded); anything else unchanged."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
 
 
 def prepare_run_dir(path: str) -> Path:
@@ -94,21 +100,26 @@ def check_model_matches(checkpoint: Path, descriptor: dict[str, Any], model_cfg:
         )
 
 
-def load_model_weights(checkpoint: Path, model: torch.nn.Module) -> None:
+def load_model_weights(checkpoint: Path, model: nn.Module | list[nn.Module]) -> None:
     """Load only the model entry of a checkpoint (no optimizer, schedule or data position); the caller has
     checked it was written for this model's shape (`check_model_matches`)."""
     Checkpointer(checkpoint.parent, keep=1).load(checkpoint, {"model": ModelState(model)})
 
 
 class Trainer(Stateful):
-    """Builds model, optimizer, schedule, data and checkpointer from a JobConfig; `train()` runs the loop."""
+    """Builds model, optimizer, schedule, data and checkpointer from a JobConfig; `train()` runs the loop.
+
+    In a multi-process job every rank builds one Trainer; rank 0 alone writes logs, metrics and the
+    progress bar, and every decision that ends the loop (a stop signal) is agreed by all ranks.
+    """
 
     def __init__(self, cfg: JobConfig, *, console: Any = None, debug: bool = False):
         self.cfg = cfg
         training = cfg.training
         self.console = console or make_console()
-        # Multi-process training is not wired in yet: the layout must fit this one process.
-        self.parallel_dims = ParallelDims.from_config(cfg, world_size=1)
+        # The layout is checked against the launcher's world size before any process group exists.
+        self.parallel_dims = dims = ParallelDims.from_config(cfg, world_size=env_world_size())
+        self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.run_dir = prepare_run_dir(training.run_dir)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         resume_from = self.checkpointer.latest() if cfg.checkpoint.resume else None
@@ -117,21 +128,26 @@ class Trainer(Stateful):
         elif cfg.checkpoint.init_from is not None:
             init_from = Path(cfg.checkpoint.init_from).expanduser()
             check_model_matches(init_from, read_descriptor(init_from), cfg.model)
-        setup_logging(self.run_dir, self.console, debug)
+        setup_logging(self.run_dir, self.console, debug, rank=self.rank)
 
         if training.threads is not None:
             torch.set_num_threads(training.threads)
         self.device = pick_device(training.device)
+        init_distributed(self.device, cfg.parallel.timeout_s)
+        self.mesh = dims.build_mesh(self.device.type) if dims.world_size > 1 else None
         self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
-        self.grad_accum_steps = training.global_batch_size // training.micro_batch_size
+        self.grad_accum_steps = training.global_batch_size // dims.dp // training.micro_batch_size
         self.tokens_per_step = training.global_batch_size * cfg.data.seq_len
+        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
 
         self.train_loader, self.val_loader = build_dataloaders(
             cfg.data,
             model_vocab_size=cfg.model.vocab_size,
             micro_batch_size=training.micro_batch_size,
             seed=training.seed,
-            progress=cfg.metrics.progress,
+            dp_rank=self.dp_rank,
+            dp_size=dims.dp,
+            progress=cfg.metrics.progress and self.rank == 0,
         )
         log.info(
             "data: %s (%s tokens, tokenizer vocab %d)",
@@ -141,31 +157,54 @@ class Trainer(Stateful):
         )
 
         torch.manual_seed(training.seed)
-        self.model = Transformer(cfg.model).to(self.device)
-        if training.compile:
-            for block in self.model.layers.values():
-                block.compile()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, training.steps)
+        self.parallel_model = parallelize(
+            Transformer(cfg.model).to(self.device),
+            dims,
+            self.mesh,
+            cfg.parallel,
+            device=self.device,
+            microbatches=self.grad_accum_steps,
+            loss_fn=next_token_loss,
+            compile_blocks=training.compile,
+        )
+        self.model_parts = self.parallel_model.parts
+        self.optimizers = [build_optimizer(part, cfg.optim) for part in self.model_parts]
+        self.lr_schedulers = [build_lr_scheduler(opt, cfg.optim, training.steps) for opt in self.optimizers]
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = self._find_peak()
+        self.peak = self._find_peak() if self.rank == 0 else None
         log.info(
-            "model: %s parameters, %.1f MFLOPs/token; device %s, %s, %d threads",
+            "model: %s parameters, %.1f MFLOPs/token; device %s, %s, %d threads%s",
             f"{num_params(cfg.model):,}",
             self.flops_per_token / 1e6,
             self.device,
             training.dtype,
             torch.get_num_threads(),
+            f"; {dims.describe()}" if dims.world_size > 1 else "",
         )
 
         self.step = 0
         self._stop_signal: int | None = None
         if resume_from is not None:
-            self.checkpointer.load(resume_from, self.checkpoint_state())
-            log.info("resumed from %s at step %d", resume_from, self.step)
+            descriptor = self.checkpointer.load(resume_from, self.checkpoint_state())
+            saved_layout = descriptor.get("layout", "1 process")
+            log.info(
+                "resumed from %s at step %d%s",
+                resume_from,
+                self.step,
+                f" (saved as {saved_layout}, now {dims.describe()})"
+                if saved_layout != dims.describe()
+                else "",
+            )
         elif cfg.checkpoint.init_from is not None:
-            load_model_weights(Path(cfg.checkpoint.init_from).expanduser(), self.model)
+            load_model_weights(Path(cfg.checkpoint.init_from).expanduser(), self.model_parts)
             log.info("initialised the model from %s", cfg.checkpoint.init_from)
+
+    @property
+    def model(self) -> nn.Module:
+        """The whole model, when this rank holds it in one part (no pipeline parallelism)."""
+        if len(self.model_parts) != 1 or self.parallel_dims.pp > 1:
+            raise AttributeError("Trainer.model: this rank holds pipeline stages; use model_parts")
+        return self.model_parts[0]
 
     # -- Stateful ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -178,9 +217,9 @@ class Trainer(Stateful):
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             "trainer": self,
-            "model": ModelState(self.model),
-            "optimizer": OptimizerState(self.model, self.optimizer),
-            "lr_scheduler": self.lr_scheduler,
+            "model": ModelState(self.model_parts),
+            "optimizer": OptimizerState(self.model_parts, self.optimizers),
+            "lr_scheduler": SchedulersState(self.lr_schedulers),
             "data": self.train_loader,
         }
 
@@ -190,8 +229,8 @@ class Trainer(Stateful):
         training = self.cfg.training
         writer = MetricsWriter(
             self.run_dir,
-            jsonl=self.cfg.metrics.jsonl,
-            tensorboard=self.cfg.metrics.tensorboard,
+            jsonl=self.cfg.metrics.jsonl and self.rank == 0,
+            tensorboard=self.cfg.metrics.tensorboard and self.rank == 0,
             purge_step=self.step + 1,
         )
         summary: dict[str, Any] = {"start_step": self.step, "interrupted": False}
@@ -199,7 +238,7 @@ class Trainer(Stateful):
         with (
             self._stop_on_signals(),
             TrainingProgress(
-                self.console, training.steps, self.step, live=self.cfg.metrics.progress
+                self.console, training.steps, self.step, live=self.cfg.metrics.progress and self.rank == 0
             ) as progress,
         ):
             while self.step < training.steps:
@@ -233,23 +272,31 @@ class Trainer(Stateful):
     def train_step(self) -> StepMetrics:
         """One optimizer step over `global_batch_size` sequences (gradient accumulation), clipped."""
         started = time.perf_counter()
+        for part in self.model_parts:
+            part.train()
         data_wait_s = 0.0
-        self.model.train()
-        total_loss = torch.zeros((), device=self.device)
+        batches = []
         for _ in range(self.grad_accum_steps):
             fetch_started = time.perf_counter()
             inputs, labels = next(self.train_loader)
             data_wait_s += time.perf_counter() - fetch_started
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            loss = self.loss(inputs, labels) / self.grad_accum_steps
-            loss.backward()
-            total_loss += loss.detach()
+            batches.append((inputs.to(self.device), labels.to(self.device)))
+        with loss_context(self.parallel_dims.tp > 1):
+            if self.parallel_model.schedule is not None:
+                local_loss = self._pipeline_step(batches)
+            else:
+                local_loss = torch.zeros((), device=self.device)
+                for inputs, labels in batches:
+                    loss = self.loss(inputs, labels) / self.grad_accum_steps
+                    loss.backward()
+                    local_loss += plain(loss.detach())
         grad_norm = self.clip_gradients()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        loss_value = total_loss.item()  # synchronises the device once per step
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        loss_value = self._job_mean(local_loss, agree_on_stop=True).item()  # one sync per step
         return StepMetrics(
             loss=loss_value,
             grad_norm=grad_norm.item(),
@@ -258,35 +305,105 @@ class Trainer(Stateful):
             data_wait_s=data_wait_s,
         )
 
+    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of all micro-batches through the pipeline schedule; the mean loss on the
+        last stage, 0 elsewhere. Only the first stage is given the inputs, only the last the labels."""
+        pipeline = self.parallel_model
+        inputs, labels = (torch.cat(column) for column in zip(*batches))
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            pipeline.schedule.step(
+                *((inputs,) if pipeline.first_stage else ()),
+                target=labels if pipeline.last_stage else None,
+                losses=losses if pipeline.last_stage else None,
+                return_outputs=False,
+            )
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([plain(loss.detach()) for loss in losses]).mean()
+
+    def _job_mean(self, local: torch.Tensor, agree_on_stop: bool = False) -> torch.Tensor:
+        """The job-wide mean of a per-data-parallel-rank value held on the last stage (and the same on
+        every tensor-parallel rank): one all-reduce over all ranks, every rank getting the result.
+
+        With `agree_on_stop`, a stop signal seen by any rank is carried in the same all-reduce, so all
+        ranks leave the loop after the same step."""
+        if self.mesh is None:
+            return local
+        holds = self.parallel_model.last_stage and self.mesh["tp"].get_local_rank() == 0
+        share = (
+            local.detach().float() / self.parallel_dims.dp if holds else torch.zeros((), device=self.device)
+        )
+        stop = float(agree_on_stop and self._stop_signal is not None)
+        packed = torch.stack([share, torch.tensor(stop, device=self.device)])
+        dist.all_reduce(packed)
+        if agree_on_stop and packed[1].item() > 0 and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM  # another rank was asked to stop
+        return packed[0]
+
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy, computed in float32 whatever the autocast dtype."""
+        """Mean next-token cross-entropy of the whole model (no pipeline), in float32."""
         with self._autocast():
             logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return next_token_loss(logits, labels)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global gradient L2 norm, clipping to optim.grad_clip when set."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        """Global gradient L2 norm over every shard (TP, FSDP) and stage (PP), clipping to optim.grad_clip
+        when set: a sharded run clips exactly as one process would."""
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = plain(torch.nn.utils.get_total_norm(grads, foreach=True))
+        if self.parallel_dims.pp > 1:  # each stage holds different parameters: sum their squares
+            squares = norm**2
+            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+            norm = squares.sqrt()
         if self.cfg.optim.grad_clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(
-                self.model.parameters(), self.cfg.optim.grad_clip, norm, foreach=True
-            )
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.grad_clip, norm, foreach=True)
         return norm
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean loss over the first `val_batches` validation micro-batches (the same ones every time)."""
-        self.model.eval()
-        losses = [
-            self.loss(inputs.to(self.device), labels.to(self.device))
-            for inputs, labels in self.val_loader.batches(self.cfg.training.val_batches)
-        ]
-        self.model.train()
-        return torch.stack(losses).mean().item()
+        """Mean loss over the first `val_batches` validation micro-batches (the same ones every time).
+
+        Data-parallel ranks split the batches between them (so their count is rounded up to a multiple of
+        dp, and under pipeline parallelism of dp x micro-batches per step: the schedule's unit)."""
+        for part in self.model_parts:
+            part.eval()
+        unit = self.parallel_dims.dp * (self.grad_accum_steps if self.parallel_model.schedule else 1)
+        total = math.ceil(self.cfg.training.val_batches / unit) * unit
+        per_rank = total // self.parallel_dims.dp
+        mine = itertools.islice(
+            self.val_loader.batches(total), self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank
+        )
+        batches = [(inputs.to(self.device), labels.to(self.device)) for inputs, labels in mine]
+        losses = []
+        with loss_context(self.parallel_dims.tp > 1):
+            if self.parallel_model.schedule is None:
+                losses = [plain(self.loss(inputs, labels)) for inputs, labels in batches]
+            else:
+                for start in range(0, len(batches), self.grad_accum_steps):
+                    losses.append(self._pipeline_eval(batches[start : start + self.grad_accum_steps]))
+        for part in self.model_parts:
+            part.train()
+        return self._job_mean(torch.stack(losses).mean()).item()
+
+    def _pipeline_eval(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        pipeline = self.parallel_model
+        inputs, labels = (torch.cat(column) for column in zip(*batches))
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            pipeline.schedule.eval(
+                *((inputs,) if pipeline.first_stage else ()),
+                target=labels if pipeline.last_stage else None,
+                losses=losses if pipeline.last_stage else None,
+            )
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([plain(loss) for loss in losses]).mean()
 
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.checkpoint_state(), {"config": to_dict(self.cfg)})
+        descriptor = {"config": to_dict(self.cfg), "layout": self.parallel_dims.describe()}
+        return self.checkpointer.save(self.step, self.checkpoint_state(), descriptor)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:

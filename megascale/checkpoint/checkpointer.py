@@ -1,11 +1,11 @@
 """Checkpoints of every Stateful part of a run, through torch.distributed.checkpoint (DCP).
 
-DCP writes sharded state that reloads into any other layout, so the same files serve one process today and
-a resharded 3D-parallel job later. What DCP leaves to us is the life cycle: a checkpoint is written under a
-temporary name and renamed into place only once complete (plus a `megascale.json` descriptor holding the
-step and the model config), so a crash mid-save leaves nothing that looks like a checkpoint; the newest
-committed one is found by name; the oldest beyond `keep` are deleted; and a checkpoint written for another
-model shape is refused with a clear message before anything is loaded or overwritten.
+DCP writes sharded state that reloads into any other layout, so the same files serve one process and
+every 3D-parallel layout, whichever wrote them. What DCP leaves to us is the life cycle: a checkpoint is
+written under a temporary name and renamed into place only once complete (plus a `megascale.json`
+descriptor holding the step, the config and the layout), so a crash mid-save leaves nothing that looks
+like a checkpoint; the newest committed one is found by name; the oldest beyond `keep` are deleted; and
+a checkpoint written for another model shape is refused with a clear message before anything is loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megascale.errors import CheckpointError
@@ -59,18 +60,44 @@ def read_descriptor(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def save_checkpoint_dir(final: Path, state: dict[str, Any], descriptor: dict[str, Any]) -> Path:
-    """Write `state` with DCP to a temporary sibling of `final`, add the descriptor, rename into place."""
-    staging = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group, as intended here
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _dcp(operation, state: dict[str, Any], path: Path) -> None:
+    """dcp.save / dcp.load over the default process group, or alone in a single-process run."""
+    with warnings.catch_warnings():  # DCP warns when it runs without a process group, as intended then
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(staging), no_dist=True)
-    (staging / DESCRIPTOR).write_text(json.dumps({"saved_at": time.time(), **descriptor}, indent=2))
-    if final.exists():  # a re-save of the same step (e.g. after a resume) replaces it whole
-        shutil.rmtree(final)
-    os.replace(staging, final)
+        operation(state, checkpoint_id=str(path), no_dist=not _distributed())
+
+
+def save_checkpoint_dir(final: Path, state: dict[str, Any], descriptor: dict[str, Any]) -> Path:
+    """Write `state` with DCP to a temporary sibling of `final`, add the descriptor, rename into place.
+
+    Collective in a multi-process job: every rank writes its shards; rank 0 prepares the staging
+    directory and commits it, between barriers."""
+    staging = final.parent / f".{final.name}.tmp"
+    if _is_main():
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    _dcp(dcp.save, state, staging)
+    _barrier()
+    if _is_main():
+        (staging / DESCRIPTOR).write_text(json.dumps({"saved_at": time.time(), **descriptor}, indent=2))
+        if final.exists():  # a re-save of the same step (e.g. after a resume) replaces it whole
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    _barrier()
     return final
 
 
@@ -97,15 +124,15 @@ class Checkpointer:
         """Load `path` into `state` in place (Stateful values get load_state_dict). Returns its descriptor."""
         descriptor = read_descriptor(path)
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            _dcp(dcp.load, state, path)
         except Exception as err:  # DCP wraps storage/shape problems in several exception types
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CheckpointError(f"checkpoint: cannot load {path}: {first_line}") from err
         return descriptor
 
     def _prune(self) -> None:
+        if not _is_main():
+            return
         checkpoints = list_checkpoints(self.root)
         for _, path in checkpoints[: max(0, len(checkpoints) - self.keep)]:
             shutil.rmtree(path, ignore_errors=True)

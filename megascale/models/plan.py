@@ -31,3 +31,7 @@ BLOCK_PLAN = {
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",
 }
+
+# Top-level modules only the first pipeline stage holds, and those only the last one holds.
+FIRST_STAGE = ("tok_embeddings", "pos_embeddings")
+LAST_STAGE = ("norm", "output")

@@ -34,13 +34,21 @@ class PlainStderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def setup_logging(run_dir: Path | None, console: Console, debug: bool = False) -> None:
-    """megascale's log lines to the console (through rich) and to <run_dir>/train.log."""
+def setup_logging(run_dir: Path | None, console: Console, debug: bool = False, rank: int = 0) -> None:
+    """megascale's log lines to the console (through rich) and to <run_dir>/train.log.
+
+    In a multi-process job rank 0 speaks for the job; every other rank prints only its warnings and
+    errors, prefixed with its rank, so that N ranks do not repeat every line N times."""
     log.setLevel(logging.DEBUG if debug else logging.INFO)
     log.propagate = False
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
+    if rank != 0:
+        plain = PlainStderrHandler(level=logging.DEBUG if debug else logging.WARNING)
+        plain.setFormatter(logging.Formatter(f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S"))
+        log.addHandler(plain)
+        return
     if console.is_terminal:
         log.addHandler(
             RichHandler(

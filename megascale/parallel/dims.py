@@ -51,6 +51,15 @@ class ParallelDims:
         """Data-parallel degree: how many distinct batches one step reads."""
         return self.dp_replicate * self.dp_shard
 
+    def describe(self) -> str:
+        """The layout in one phrase, e.g. 'pp 2 x dp 1x2 x tp 2 = 8 processes'."""
+        if self.world_size == 1:
+            return "1 process"
+        return (
+            f"pp {self.pp} x dp {self.dp_replicate}x{self.dp_shard} x tp {self.tp} = "
+            f"{self.world_size} processes"
+        )
+
     def validate(self, cfg: JobConfig, world_size: int) -> None:
         """Every layout rule, each failing with the field, its value and what would fit."""
         if self.world_size != world_size:
@@ -89,6 +98,13 @@ class ParallelDims:
                 self.pp,
                 f"x pp_virtual_stages = {par.pp_virtual_stages} gives {stages} "
                 f"stages, more than model.n_layers = {model.n_layers}",
+            )
+        if self.pp > 1 and model.tie_embeddings:
+            fail(
+                "model.tie_embeddings",
+                True,
+                f"cannot be used with parallel.pp = {self.pp}: the embedding and the output layer live "
+                "on different stages; set --model.tie_embeddings=false",
             )
         if par.pp_virtual_stages > 1 and par.pp_schedule != "interleaved_1f1b":
             fail(
@@ -135,3 +151,8 @@ class ParallelDims:
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP; replicas
+        alone (dp_shard = 1) are HSDP with shards of one, which is plain data parallelism."""
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]

@@ -1,0 +1,95 @@
+"""Turn one plain model into this rank's share of a 3D-parallel one, in the order that composes.
+
+Pipeline split first (which layers this rank holds), then per model part: tensor + sequence parallelism,
+activation checkpointing, per-block compilation when asked, and FSDP last, over the data-parallel
+sub-mesh (torchtitan's order: FSDP shards the DTensors that TP made, and wraps the checkpointed blocks).
+The model code knows none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from megascale.config import ParallelConfig
+from megascale.models import plan
+from megascale.parallel.activation import apply_activation_checkpointing
+from megascale.parallel.data import apply_fsdp
+from megascale.parallel.dims import ParallelDims
+from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
+from megascale.parallel.tensor import apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model parts (one per pipeline stage it holds, else the whole model) and their schedule."""
+
+    parts: list[nn.Module]
+    schedule: _PipelineSchedule | None  # None without pipeline parallelism
+    first_stage: bool  # holds the embedding: feeds the inputs
+    last_stage: bool  # holds the output layer: computes the loss
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    par: ParallelConfig,
+    *,
+    device: torch.device,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    compile_blocks: bool = False,
+) -> ParallelModel:
+    """Collective over the whole mesh: every rank calls it with an identical `model` (same weights)."""
+    parts, schedule, first, last = [model], None, True, True
+    if dims.pp > 1:
+        num_stages = dims.pp * par.pp_virtual_stages
+        ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=plan.BLOCKS)
+        stage_ids = stage_ids_of(mesh["pp"].get_local_rank(), dims.pp, par.pp_virtual_stages)
+        parts = [
+            build_stage_module(
+                model,
+                ranges[stage_id],
+                first=stage_id == 0,
+                last=stage_id == num_stages - 1,
+                blocks=plan.BLOCKS,
+                first_stage_modules=plan.FIRST_STAGE,
+                last_stage_modules=plan.LAST_STAGE,
+            )
+            for stage_id in stage_ids
+        ]
+        first, last = 0 in stage_ids, num_stages - 1 in stage_ids
+    for part in parts:
+        if dims.tp > 1:
+            apply_tensor_parallel(
+                part,
+                mesh["tp"],
+                blocks=plan.BLOCKS,
+                block_plan=plan.BLOCK_PLAN,
+                top_level_plan=plan.TOP_LEVEL_PLAN,
+                sequence_parallel=par.sequence_parallel,
+            )
+        apply_activation_checkpointing(part, blocks=plan.BLOCKS, mode=par.activation_checkpoint)
+        if compile_blocks:
+            for block in part.get_submodule(plan.BLOCKS).children():
+                block.compile()
+        if dims.dp > 1:
+            apply_fsdp(part, dims.fsdp_mesh(mesh), blocks=plan.BLOCKS, zero_stage=par.zero_stage)
+    if dims.pp > 1:
+        schedule = build_schedule(
+            parts,
+            stage_ids,
+            num_stages,
+            schedule=par.pp_schedule,
+            microbatches=microbatches,
+            loss_fn=loss_fn,
+            device=device,
+            group=mesh["pp"].get_group(),
+        )
+    return ParallelModel(parts=parts, schedule=schedule, first_stage=first, last_stage=last)

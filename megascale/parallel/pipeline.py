@@ -1,0 +1,141 @@
+"""Pipeline parallelism: cut the model into stages by layers and run them with torch.distributed.pipelining.
+
+A stage is a copy of the model that keeps only its own layers; the first stage keeps the embedding, the
+last the final norm and output layer (and computes the loss). Keeping the model's own class and names means
+checkpoints stay keyed by the same parameter names in every layout. With virtual stages (interleaved 1F1B)
+rank r of a pp-rank pipeline holds stages r, r + pp, r + 2 pp, ... (the "looped" placement of Megatron's
+interleaved schedule), which shrinks the bubble by the number of chunks per rank (paper §2).
+
+torch.distributed.pipelining provides the stages, the p2p exchange and the schedules; this module adds the
+layer split (uniform, or balanced by parameter count) and the mapping from our config words to schedules.
+Every rank builds the whole model first and then drops what it does not own, so initialisation is identical
+to a single process's; a model larger than host memory would need meta-device initialisation (not yet).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE = {"interleaved_1f1b"}  # schedules that take a list of stages per rank
+
+
+def split_layers(
+    weights: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0
+) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimising the heaviest stage's weight.
+
+    `weights[i]` is layer i's cost; `first_extra` / `last_extra` are what the first / last stage carry
+    besides layers (embedding; norm and output layer). Every stage gets at least one layer. With equal
+    weights and no extras this is the uniform split, the earlier stages taking the remainder.
+    """
+    n = len(weights)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} stages (each needs one layer)")
+    prefix = [0, *itertools.accumulate(weights)]
+
+    def cost(stage: int, start: int, end: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[s][i]: the lowest possible heaviest-stage cost placing layers [0, i) on stages [0, s).
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for stage in range(1, num_stages + 1):
+        for end in range(stage, n - (num_stages - stage) + 1):
+            # Ties go to the latest cut, which gives earlier stages the extra layers of a uniform split.
+            for start in range(stage - 1, end):
+                candidate = max(best[stage - 1][start], cost(stage - 1, start, end))
+                if candidate <= best[stage][end]:
+                    best[stage][end], cut[stage][end] = candidate, start
+    ranges, end = [], n
+    for stage in range(num_stages, 0, -1):
+        start = cut[stage][end]
+        ranges.append(range(start, end))
+        end = start
+    return ranges[::-1]
+
+
+def stage_layer_ranges(model: nn.Module, num_stages: int, split: str, *, blocks: str) -> list[range]:
+    """The layers of each stage: equal counts ('uniform') or balanced by parameter count ('params')."""
+    layers = list(model.get_submodule(blocks).children())
+    if split == "uniform":
+        return split_layers([1] * len(layers), num_stages)
+    if split != "params":
+        raise ValueError(f"pipeline split must be 'uniform' or 'params', got {split!r}")
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [(name, p) for name, p in model.named_parameters() if id(p) not in in_layers]
+    first_extra = sum(p.numel() for name, p in outside if "embeddings" in name)
+    last_extra = sum(p.numel() for name, p in outside if "embeddings" not in name)
+    return split_layers(layer_params, num_stages, first_extra, last_extra)
+
+
+def stage_ids_of(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The stages rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (looped placement)."""
+    return [pp_rank + chunk * pp for chunk in range(virtual_stages)]
+
+
+def build_stage_module(
+    model: nn.Module,
+    layer_range: range,
+    *,
+    first: bool,
+    last: bool,
+    blocks: str,
+    first_stage_modules: tuple[str, ...],
+    last_stage_modules: tuple[str, ...],
+) -> nn.Module:
+    """A copy of `model` keeping layers in `layer_range`; modules named in first/last_stage_modules are
+    set to None outside the first/last stage (the model's forward skips a None module)."""
+    stage = copy.deepcopy(model)
+    container = stage.get_submodule(blocks)
+    for name in [
+        name for index, (name, _) in enumerate(container.named_children()) if index not in layer_range
+    ]:
+        delattr(container, name)
+    for names, keep in ((first_stage_modules, first), (last_stage_modules, last)):
+        for name in names:
+            if not keep and getattr(stage, name, None) is not None:
+                setattr(stage, name, None)
+    return stage
+
+
+def build_schedule(
+    stage_modules: list[nn.Module],
+    stage_ids: list[int],
+    num_stages: int,
+    *,
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    group: ProcessGroup,
+) -> _PipelineSchedule:
+    """The pipeline schedule running this rank's stages. Gradients are scaled by 1/microbatches, so the
+    step's gradient is that of the mean loss over micro-batches, as with gradient accumulation."""
+    stages = [
+        PipelineStage(module, stage_id, num_stages, device, group=group)
+        for module, stage_id in zip(stage_modules, stage_ids)
+    ]
+    schedule_class = SCHEDULES[schedule]
+    if schedule in MULTI_STAGE:
+        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise ValueError(f"pipeline schedule {schedule!r} runs one stage per rank, got {len(stages)}")
+    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

@@ -1,0 +1,107 @@
+"""The whole Trainer under every layout of the acceptance matrix against one process: 10 optimizer steps,
+fp32, same seed and same sequences per step; max |delta loss| printed for each layout, optimizer and block.
+
+Each layout's ranks are forked once and train every (optimizer, block) combination in turn, so the matrix
+costs process start-up once per layout. The single-process references run in a forked process as well:
+the test process itself never computes, which keeps forking it safe.
+"""
+
+import pytest
+
+from megascale.config import load_config
+from megascale.observe.metrics import read_metrics
+from megascale.trainer import Trainer
+from tests.conftest import TINY
+from tests.parallel.multiprocess import run_ranks
+
+STEPS = 10
+TOLERANCE = 1e-4
+COMBOS = [("adamw", "serial"), ("adamw", "parallel"), ("lamb", "serial"), ("lamb", "parallel")]
+# Four layers so that two pipeline ranks can hold two virtual stages each; 4 sequences per step.
+PARITY = [
+    "--model.n_layers=4",
+    "--training.global_batch_size=4",
+    f"--training.steps={STEPS}",
+    f"--training.val_every={STEPS}",
+    "--optim.grad_clip=0.5",  # small enough to clip: the global norm must be right
+    "--checkpoint.enabled=false",
+]
+
+
+def job_args(corpus, data_dir, run_dir, *layout):
+    return [
+        *TINY,
+        *PARITY,
+        f"--data.source={corpus}",
+        f"--data.cache_dir={data_dir}",
+        f"--training.run_dir={run_dir}",
+        *layout,
+    ]
+
+
+def train_combos(rank, world_size, corpus, data_dir, run_root, layout):
+    """Train every (optimizer, block) combination under `layout`; rank 0 returns each run's losses."""
+    losses = {}
+    for optimizer, block in COMBOS:
+        run_dir = run_root / f"{optimizer}-{block}"
+        args = job_args(
+            corpus, data_dir, run_dir, *layout, f"--optim.name={optimizer}", f"--model.block={block}"
+        )
+        Trainer(load_config(None, args)).train()
+        if rank == 0:
+            losses[optimizer, block] = [record["loss"] for record in read_metrics(run_dir)]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    return run_ranks(train_combos, 1, tiny_corpus, root / "data", root, ["--training.micro_batch_size=4"])[0]
+
+
+def check_parity(reference, tiny_corpus, tmp_path, world_size, layout):
+    got = run_ranks(
+        train_combos, world_size, tiny_corpus, tmp_path / "data", tmp_path, layout, timeout_s=400
+    )[0]
+    worst = 0.0
+    for combo in COMBOS:
+        assert len(got[combo]) == STEPS == len(reference[combo])
+        delta = max(abs(a - b) for a, b in zip(got[combo], reference[combo]))
+        print(f"{' '.join(layout)} {combo[0]} {combo[1]}: max |delta loss| over {STEPS} steps = {delta:.2e}")
+        worst = max(worst, delta)
+    assert worst <= TOLERANCE
+
+
+# (world size, layout flags); micro-batch sizes differ, the 4 sequences of each step do not.
+LAYOUTS = {
+    "dp2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch_size=2"]),
+    "fsdp2-zero2": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=2", "--training.micro_batch_size=1"]),
+    "fsdp2-zero3": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=3", "--training.micro_batch_size=2"]),
+    "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--training.micro_batch_size=1"]),
+    "tp2-sp": (2, ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--training.micro_batch_size=4"]),
+    "pp2-1f1b": (2, ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--training.micro_batch_size=1"]),
+    "pp2-interleaved": (
+        2,
+        [
+            "--parallel.pp=2",
+            "--parallel.pp_schedule=interleaved_1f1b",
+            "--parallel.pp_virtual_stages=2",
+            "--parallel.pp_split=params",
+            "--training.micro_batch_size=1",
+        ],
+    ),
+    "dp2xtp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2", "--training.micro_batch_size=2"]),
+    "tp2xpp2": (4, ["--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch_size=2"]),
+    "dp2xpp2": (4, ["--parallel.dp_shard=2", "--parallel.pp=2", "--training.micro_batch_size=1"]),
+    "dp2xtp2xpp2": (
+        8,
+        ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch_size=1"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(name, reference, tiny_corpus, tmp_path):
+    world_size, layout = LAYOUTS[name]
+    check_parity(reference, tiny_corpus, tmp_path, world_size, layout)
