@@ -59,11 +59,24 @@ def _load(args: argparse.Namespace, extra: list[str]):
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from megascale.trainer import Trainer
+    from megascale.launch import launch_local, under_launcher
 
     cfg = _load(args, extra)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc = {args.nproc} must be >= 1 (the number of local processes)")
+    if args.nproc > 1 and not under_launcher():
+        from megascale.parallel.dims import ParallelDims
+
+        ParallelDims.from_config(cfg, world_size=args.nproc)  # a bad layout fails here, before any worker
+        worker_args = [*(["--debug"] if args.debug else []), "train", *_config_argv(args), *extra]
+        return launch_local(args.nproc, worker_args)
+
+    from megascale.trainer import Trainer
+
     trainer = Trainer(cfg, debug=args.debug)
     summary = trainer.train()
+    if trainer.rank != 0:
+        return 0
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
     state = "stopped by signal" if summary["interrupted"] else "done"
     trainer.console.print(
@@ -71,6 +84,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         f"{summary['wall_s']:.0f} s; run directory {trainer.run_dir}"
     )
     return 0
+
+
+def _config_argv(args: argparse.Namespace) -> list[str]:
+    return ["--config", args.config] if args.config else []
 
 
 def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
@@ -133,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
         "from the newest checkpoint in training.run_dir.",
     )
     _add_config_args(train)
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Start N training processes on this machine (torchrun's machinery; gloo on CPU, NCCL on "
+        "CUDA); the parallel.* layout must multiply to N. Leave at 1 under torchrun or srun.",
+    )
     train.set_defaults(run=cmd_train)
 
     prepare = verbs.add_parser(

@@ -138,7 +138,7 @@ class Trainer(Stateful):
         self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
         self.grad_accum_steps = training.global_batch_size // dims.dp // training.micro_batch_size
         self.tokens_per_step = training.global_batch_size * cfg.data.seq_len
-        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.dp_rank = dims.dp_rank(self.mesh) if self.mesh is not None else 0
 
         self.train_loader, self.val_loader = build_dataloaders(
             cfg.data,
@@ -441,7 +441,9 @@ class Trainer(Stateful):
             "data_wait_s": metrics.data_wait_s,
         }
         if self.peak is not None:
-            record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak.tflops * 1e12)
+            # The peak is one device's (one process's cores on CPU); the job runs world_size of them.
+            peak_flops = self.peak.tflops * 1e12 * self.parallel_dims.world_size
+            record["mfu"] = tokens_per_s * self.flops_per_token / peak_flops
             record["peak_source"] = self.peak.source
         return record
 

@@ -142,15 +142,17 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh (pp, dp_replicate, dp_shard, tp) with a flattened 'dp' view (dp_replicate x dp_shard).
+        """The 4-D mesh (pp, dp_replicate, dp_shard, tp), TP innermost.
 
         Collective: every rank must call it, in the same order. Group creation is left to DeviceMesh.
         """
-        mesh = init_device_mesh(
+        return init_device_mesh(
             device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
         )
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+
+    def dp_rank(self, mesh: DeviceMesh) -> int:
+        """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""
+        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP; replicas

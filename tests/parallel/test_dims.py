@@ -62,6 +62,11 @@ def test_dp_shard_takes_the_rest_of_the_world():
         ),
         (8, ["--parallel.pp=8", "--parallel.dp_shard=1"], "8 stages, more than model.n_layers = 4"),
         (
+            2,
+            ["--parallel.pp=2", "--model.tie_embeddings=true"],
+            "model.tie_embeddings = True cannot be used with parallel.pp = 2",
+        ),
+        (
             4,
             ["--parallel.pp=2", "--parallel.pp_virtual_stages=2"],
             "needs parallel.pp_schedule = 'interleaved_1f1b'",
@@ -109,10 +114,16 @@ def test_dp_shard_zero_is_rejected_by_the_config():
 
 
 def _mesh_groups(rank, world_size):
-    mesh = ParallelDims(pp=1, dp_replicate=2, dp_shard=2, tp=1).build_mesh("cpu")
-    return mesh["dp"].size(), mesh["dp_shard"].size(), mesh["dp_shard"].get_local_rank()
+    dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    mesh = dims.build_mesh("cpu")
+    return (
+        mesh["pp"].get_local_rank(),
+        dims.dp_rank(mesh),
+        mesh["tp"].get_local_rank(),
+        dims.fsdp_mesh(mesh).size(),
+    )
 
 
-def test_build_mesh_names_every_dimension_and_flattens_dp():
-    # Ranks are numbered with the innermost dimension fastest: dp_shard rank = global rank % 2 here.
-    assert run_ranks(_mesh_groups, 4) == [(4, 2, rank % 2) for rank in range(4)]
+def test_build_mesh_numbers_tp_innermost_then_dp_then_pp():
+    # Rank = (pp * dp + dp_rank) * tp + tp_rank: TP neighbours are adjacent ranks (one node), PP outermost.
+    assert run_ranks(_mesh_groups, 8) == [(rank // 4, rank // 2 % 2, rank % 2, 2) for rank in range(8)]

@@ -1,0 +1,56 @@
+"""`megascale train --nproc N`: start N local training processes through torchrun's own machinery.
+
+torch.distributed.elastic's `elastic_launch` is what `torchrun --standalone` runs: a c10d rendezvous on a
+free local port, one agent supervising the workers and the environment (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR/PORT) that `init_process_group` reads. Each worker runs `python -m megascale.cli train` with
+the user's arguments, so running under `torchrun` (or srun starting torchrun per node) directly is the same
+code path. This module only builds the launch config and reports a failed worker in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun / elastic (which sets these for every worker)."""
+    return any(name in os.environ for name in LAUNCHER_VARIABLES)
+
+
+def launch_local(nproc: int, worker_args: list[str]) -> int:
+    """Run `python -m megascale.cli <worker_args>` on `nproc` local processes; the job's exit status.
+
+    A failed worker's own output (with its error line) has already been printed; the status returned is
+    its exit code, so a config error in the workers still exits 2."""
+    # Split the cores between the workers unless the user chose (torchrun would pin every worker to 1).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Workers create their own store instead of reusing the agent's: restarts then never read a
+    # previous attempt's addresses (../shared/pytorch-on-cpu.md, trap 2).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"megascale-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "megascale.cli", *worker_args)
+    except ChildFailedError as err:
+        rank, failure = min(err.failures.items())
+        print(
+            f"error: rank {rank} of {nproc} exited with status {failure.exitcode} (its output is above)",
+            file=sys.stderr,
+        )
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
