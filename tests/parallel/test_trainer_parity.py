@@ -47,22 +47,27 @@ def train_combos(rank, world_size, corpus, data_dir, run_root, layout):
         args = job_args(
             corpus, data_dir, run_dir, *layout, f"--optim.name={optimizer}", f"--model.block={block}"
         )
-        Trainer(load_config(None, args)).train()
+        trainer = Trainer(load_config(None, args))
+        trainer.train()
         if rank == 0:
             losses[optimizer, block] = [record["loss"] for record in read_metrics(run_dir)]
-    return losses
+    return trainer.parallel_dims.world_size, losses
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
-    return run_ranks(train_combos, 1, tiny_corpus, root / "data", root, ["--training.micro_batch_size=4"])[0]
+    _, losses = run_ranks(
+        train_combos, 1, tiny_corpus, root / "data", root, ["--training.micro_batch_size=4"]
+    )[0]
+    return losses
 
 
 def check_parity(reference, tiny_corpus, tmp_path, world_size, layout):
-    got = run_ranks(
+    ran_on, got = run_ranks(
         train_combos, world_size, tiny_corpus, tmp_path / "data", tmp_path, layout, timeout_s=400
     )[0]
+    assert ran_on == world_size
     worst = 0.0
     for combo in COMBOS:
         assert len(got[combo]) == STEPS == len(reference[combo])
