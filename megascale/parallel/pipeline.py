@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections.abc import Callable
 
 import torch
@@ -36,7 +37,8 @@ MULTI_STAGE = {"interleaved_1f1b"}  # schedules that take a list of stages per r
 def split_layers(
     weights: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0
 ) -> list[range]:
-    """Contiguous layer ranges, one per stage, minimising the heaviest stage's weight.
+    """Contiguous layer ranges, one per stage: the heaviest stage as light as possible, and among such
+    splits the most even one (least sum of squared stage weights).
 
     `weights[i]` is layer i's cost; `first_extra` / `last_extra` are what the first / last stage carry
     besides layers (embedding; norm and output layer). Every stage gets at least one layer. With equal
@@ -51,24 +53,27 @@ def split_layers(
         extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
         return prefix[end] - prefix[start] + extra
 
-    # best[s][i]: the lowest possible heaviest-stage cost placing layers [0, i) on stages [0, s).
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for stage in range(1, num_stages + 1):
-        for end in range(stage, n - (num_stages - stage) + 1):
-            # Ties go to the latest cut, which gives earlier stages the extra layers of a uniform split.
-            for start in range(stage - 1, end):
-                candidate = max(best[stage - 1][start], cost(stage - 1, start, end))
-                if candidate <= best[stage][end]:
-                    best[stage][end], cut[stage][end] = candidate, start
-    ranges, end = [], n
-    for stage in range(num_stages, 0, -1):
-        start = cut[stage][end]
-        ranges.append(range(start, end))
-        end = start
-    return ranges[::-1]
+    def partition(combine: Callable[[float, int], float], limit: float) -> tuple[float, list[range]]:
+        """Dynamic programme over (stages used, layers placed); stages heavier than `limit` are barred.
+        Ties go to the latest cut, which leaves the extra layers of an even split to earlier stages."""
+        best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+        best[0][0] = 0
+        for stage in range(1, num_stages + 1):
+            for end in range(stage, n - (num_stages - stage) + 1):
+                for start in range(stage - 1, end):
+                    weight = cost(stage - 1, start, end)
+                    candidate = combine(best[stage - 1][start], weight)
+                    if weight <= limit and candidate <= best[stage][end]:
+                        best[stage][end], cut[stage][end] = candidate, start
+        ranges, end = [], n
+        for stage in range(num_stages, 0, -1):
+            ranges.append(range(cut[stage][end], end))
+            end = cut[stage][end]
+        return best[num_stages][n], ranges[::-1]
+
+    heaviest, _ = partition(max, math.inf)
+    return partition(lambda total, weight: total + weight**2, heaviest)[1]
 
 
 def stage_layer_ranges(model: nn.Module, num_stages: int, split: str, *, blocks: str) -> list[range]:

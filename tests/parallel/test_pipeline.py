@@ -1,0 +1,83 @@
+"""The pipeline's layer split and stage placement (the schedules themselves are tested end to end in
+test_trainer_parity.py)."""
+
+import pytest
+
+from megascale.models import plan
+from megascale.models.llama import Transformer
+from megascale.parallel.pipeline import build_stage_module, split_layers, stage_ids_of, stage_layer_ranges
+from tests.parallel.tiny import tiny_model_config
+
+
+def test_equal_weights_split_evenly_with_the_remainder_on_early_stages():
+    assert split_layers([1] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_layers([1] * 7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_layers([1] * 3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+def test_extras_on_first_and_last_stage_move_layers_to_the_middle():
+    # Embedding worth 2 layers on stage 0 and an output layer worth 2 on the last stage.
+    assert split_layers([1] * 8, 4, first_extra=2, last_extra=2) == [
+        range(0, 1),
+        range(1, 4),
+        range(4, 7),
+        range(7, 8),
+    ]
+
+
+def test_the_heaviest_stage_is_as_light_as_possible():
+    weights = [5, 1, 1, 1, 1, 5]
+    ranges = split_layers(weights, 3)
+    assert max(sum(weights[i] for i in r) for r in ranges) == 5
+    assert [len(r) for r in ranges] == [1, 4, 1]
+
+
+def test_every_stage_needs_a_layer():
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        split_layers([1, 1], 3)
+
+
+def test_looped_placement_of_virtual_stages():
+    assert [stage_ids_of(rank, 2, 2) for rank in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_ids_of(rank, 4, 1) for rank in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_params_split_counts_the_embedding_and_output_layer():
+    model = Transformer(tiny_model_config(n_layers=4))
+    assert stage_layer_ranges(model, 2, "uniform", blocks=plan.BLOCKS) == [range(0, 2), range(2, 4)]
+    # Vocabulary 96 x dim 64 on each end is ~0.2 of a block: still 2 + 2.
+    assert stage_layer_ranges(model, 2, "params", blocks=plan.BLOCKS) == [range(0, 2), range(2, 4)]
+    wide_vocab = Transformer(tiny_model_config(n_layers=4, vocab_size=4096))
+    assert stage_layer_ranges(wide_vocab, 2, "params", blocks=plan.BLOCKS) == [range(0, 2), range(2, 4)]
+    assert stage_layer_ranges(wide_vocab, 3, "params", blocks=plan.BLOCKS) == [
+        range(0, 1),
+        range(1, 3),
+        range(3, 4),
+    ]
+
+
+def test_a_stage_keeps_its_layers_names_and_only_its_end_modules():
+    model = Transformer(tiny_model_config(n_layers=4))
+    middle = build_stage_module(
+        model,
+        range(1, 3),
+        first=False,
+        last=False,
+        blocks=plan.BLOCKS,
+        first_stage_modules=plan.FIRST_STAGE,
+        last_stage_modules=plan.LAST_STAGE,
+    )
+    assert list(middle.layers.keys()) == ["1", "2"]
+    assert middle.tok_embeddings is None and middle.norm is None and middle.output is None
+    names = {name for name, _ in middle.named_parameters()}
+    assert names and names <= {name for name, _ in model.named_parameters()}
+    last = build_stage_module(
+        model,
+        range(3, 4),
+        first=False,
+        last=True,
+        blocks=plan.BLOCKS,
+        first_stage_modules=plan.FIRST_STAGE,
+        last_stage_modules=plan.LAST_STAGE,
+    )
+    assert last.output is not None and last.tok_embeddings is None
