@@ -10,9 +10,11 @@ code path. This module only builds the launch config and reports a failed worker
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -28,7 +30,8 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
     """Run `python -m megascale.cli <worker_args>` on `nproc` local processes; the job's exit status.
 
     A failed worker's own output (with its error line) has already been printed; the status returned is
-    its exit code, so a config error in the workers still exits 2."""
+    its exit code, so a config error in the workers still exits 2. SIGINT/SIGTERM to the launcher reach
+    the workers, which save a checkpoint and exit; the launcher then exits 0, as a single process does."""
     # Split the cores between the workers unless the user chose (torchrun would pin every worker to 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # Workers create their own store instead of reusing the agent's: restarts then never read a
@@ -46,6 +49,13 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
     )
     try:
         elastic_launch(config, sys.executable)("-m", "megascale.cli", *worker_args)
+    except SignalException as err:
+        # The agent has passed the signal on and waited for the workers, which checkpoint and exit 0.
+        print(
+            f"stopped by {signal.Signals(err.sigval).name}: the workers were told to save and exit",
+            file=sys.stderr,
+        )
+        return 0
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
         print(

@@ -46,6 +46,9 @@ from megascale.parallel.tensor import loss_context
 
 log = logging.getLogger("megascale.trainer")
 
+# A stop signal arriving this soon after the first is the same request, delivered twice.
+SIGNAL_ECHO_S = 2.0
+
 # Model fields that may change between a checkpoint and the run resuming from it: they change no tensor.
 RESUMABLE_MODEL_CHANGES = {"init_std", "norm_eps", "max_seq_len", "attention.window", "attention.rope_theta"}
 
@@ -466,12 +469,19 @@ class Trainer(Stateful):
 
     @contextlib.contextmanager
     def _stop_on_signals(self):
-        """SIGINT/SIGTERM finish the current step, save a checkpoint and end the loop (exit status 0)."""
+        """SIGINT/SIGTERM finish the current step, save a checkpoint and end the loop (exit status 0).
+
+        A second signal stops at once, unless it comes within SIGNAL_ECHO_S of the first: Ctrl-C reaches
+        the workers both from the terminal and forwarded by the launcher, and that is one request."""
+        first_signal_at = None
 
         def request_stop(signum: int, frame: Any) -> None:
-            if self._stop_signal is not None:  # a second signal: stop now
+            nonlocal first_signal_at
+            if first_signal_at is None:
+                first_signal_at = time.monotonic()
+                self._stop_signal = signum
+            elif time.monotonic() - first_signal_at > SIGNAL_ECHO_S:  # a second request: stop now
                 raise KeyboardInterrupt
-            self._stop_signal = signum
 
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
             yield

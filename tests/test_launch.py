@@ -1,7 +1,13 @@
 """`megascale train --nproc N`: real worker processes through torchrun's machinery, and its failures."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints, read_descriptor
 from megascale.observe.metrics import read_metrics
@@ -60,3 +66,65 @@ def test_a_worker_error_is_reported_once_with_its_exit_status(tiny_corpus, tmp_p
     assert result.returncode == 2
     assert "does not exist" in result.stderr
     assert "error: rank 0 of 2 exited with status 2" in result.stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    ranks = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"RANK=")]
+    return int(ranks[0]) if ranks else None
+
+
+def _start_long_job(tiny_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    args = tiny_args(
+        tiny_corpus,
+        run_dir,
+        tmp_path / "data",
+        "--parallel.dp_shard=2",
+        "--training.steps=100000",
+        "--checkpoint.every=100000",
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-m", "megascale.cli", "train", "--nproc", "2", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.2)
+    return job, run_dir
+
+
+@pytest.mark.parametrize("target", ["launcher", "rank 1 only"])
+def test_sigterm_saves_a_checkpoint_on_every_rank_at_the_same_step(tiny_corpus, tmp_path, target):
+    job, run_dir = _start_long_job(tiny_corpus, tmp_path)
+    try:
+        if target == "launcher":
+            job.send_signal(signal.SIGTERM)
+        else:  # the other rank learns of it in the next step's all-reduce
+            (worker,) = [pid for pid in _children(job.pid) if _rank_of(pid) == 1]
+            os.kill(worker, signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    (step, checkpoint), *_ = reversed(list_checkpoints(run_dir / "checkpoints"))
+    assert step == read_metrics(run_dir)[-1]["step"]
+    assert "received SIGTERM: saving a checkpoint" in stderr
