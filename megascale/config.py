@@ -266,6 +266,13 @@ class ParallelConfig:
         "and recompute only the cheap element-wise work: norms, activations, RoPE ('selective').",
         choices=("none", "full", "selective"),
     )
+    rank_order: str = option(
+        "tp-dp-pp",
+        "How ranks are numbered, innermost dimension first (consecutive ranks share a node): 'tp-dp-pp' "
+        "keeps data-parallel groups within a pod before pipeline stages (paper §2); 'tp-pp-dp' keeps "
+        "pipeline neighbours close and spreads data parallelism outermost.",
+        choices=("tp-dp-pp", "tp-pp-dp"),
+    )
     timeout_s: float = option(
         600.0,
         "Seconds a collective may wait for its peers before failing the job (a dead peer fails it at "

@@ -2,7 +2,8 @@
 
 The layout is pp x dp_replicate x dp_shard x tp = world. Ranks are numbered with TP innermost (the fastest
 links, inside a node), then data parallelism, then pipeline stages outermost (paper §2: DP groups are built
-before PP groups so that DP traffic stays inside a pod). Every rule about which layouts are legal is
+before PP groups so that DP traffic stays inside a pod); `parallel.rank_order = "tp-pp-dp"` swaps the outer
+two. Every rule about which layouts are legal is
 checked here, before any process group exists, so a bad layout costs one clear line and no hang.
 DeviceMesh does the group creation; this class decides the shape and names the sub-meshes.
 """
@@ -16,7 +17,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from megascale.config import JobConfig, fail
 from megascale.errors import ConfigError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# Mesh dimensions outermost first, by parallel.rank_order (named innermost first, like the rank numbering
+# reads: adjacent ranks differ in the first-named dimension). dp_replicate and dp_shard stay adjacent.
+MESH_ORDERS = {
+    "tp-dp-pp": ("pp", "dp_replicate", "dp_shard", "tp"),
+    "tp-pp-dp": ("dp_replicate", "dp_shard", "pp", "tp"),
+}
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    rank_order: str = "tp-dp-pp"
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -38,7 +45,9 @@ class ParallelDims:
             if world_size % fixed:
                 fail("parallel pp x dp_replicate x tp", fixed, f"does not divide the world size {world_size}")
             dp_shard = world_size // fixed
-        dims = cls(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp)
+        dims = cls(
+            pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, rank_order=par.rank_order
+        )
         dims.validate(cfg, world_size)
         return dims
 
@@ -142,13 +151,13 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh (pp, dp_replicate, dp_shard, tp), TP innermost.
+        """The 4-D mesh over pp, dp_replicate, dp_shard and tp, nested as `rank_order` says.
 
         Collective: every rank must call it, in the same order. Group creation is left to DeviceMesh.
         """
-        return init_device_mesh(
-            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
-        )
+        names = MESH_ORDERS[self.rank_order]
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return init_device_mesh(device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""

@@ -113,8 +113,8 @@ def test_dp_shard_zero_is_rejected_by_the_config():
         load_config(None, ["--parallel.dp_shard=0"])
 
 
-def _mesh_groups(rank, world_size):
-    dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+def _mesh_groups(rank, world_size, rank_order):
+    dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2, rank_order=rank_order)
     mesh = dims.build_mesh("cpu")
     return (
         mesh["pp"].get_local_rank(),
@@ -126,4 +126,13 @@ def _mesh_groups(rank, world_size):
 
 def test_build_mesh_numbers_tp_innermost_then_dp_then_pp():
     # Rank = (pp * dp + dp_rank) * tp + tp_rank: TP neighbours are adjacent ranks (one node), PP outermost.
-    assert run_ranks(_mesh_groups, 8) == [(rank // 4, rank // 2 % 2, rank % 2, 2) for rank in range(8)]
+    assert run_ranks(_mesh_groups, 8, "tp-dp-pp") == [
+        (rank // 4, rank // 2 % 2, rank % 2, 2) for rank in range(8)
+    ]
+
+
+def test_rank_order_tp_pp_dp_puts_data_parallelism_outermost():
+    # Rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+    assert run_ranks(_mesh_groups, 8, "tp-pp-dp") == [
+        (rank // 2 % 2, rank // 4, rank % 2, 2) for rank in range(8)
+    ]

@@ -98,6 +98,15 @@ LAYOUTS = {
     "dp2xtp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2", "--training.micro_batch_size=2"]),
     "tp2xpp2": (4, ["--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch_size=2"]),
     "dp2xpp2": (4, ["--parallel.dp_shard=2", "--parallel.pp=2", "--training.micro_batch_size=1"]),
+    "dp2xpp2-dp-outermost": (
+        4,
+        [
+            "--parallel.dp_shard=2",
+            "--parallel.pp=2",
+            "--parallel.rank_order=tp-pp-dp",
+            "--training.micro_batch_size=1",
+        ],
+    ),
     "dp2xtp2xpp2": (
         8,
         ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch_size=1"],
