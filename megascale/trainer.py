@@ -42,7 +42,7 @@ from megascale.optim import build_lr_scheduler, build_optimizer
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
 from megascale.parallel.parallelize import parallelize
-from megascale.parallel.tensor import loss_context
+from megascale.parallel.tensor import full_tensor, loss_context
 
 log = logging.getLogger("megascale.trainer")
 
@@ -66,12 +66,6 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, in float32 whatever the autocast dtype (on vocabulary shards
     under tensor parallelism, inside `loss_context`)."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor as the whole tensor it stands for (collective if sharded); anything else unchanged."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else tensor
 
 
 def prepare_run_dir(path: str) -> Path:
@@ -292,7 +286,7 @@ class Trainer(Stateful):
                 for inputs, labels in batches:
                     loss = self.loss(inputs, labels) / self.grad_accum_steps
                     loss.backward()
-                    local_loss += plain(loss.detach())
+                    local_loss += full_tensor(loss.detach())
         grad_norm = self.clip_gradients()
         lr = self.optimizers[0].param_groups[0]["lr"]
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
@@ -308,14 +302,18 @@ class Trainer(Stateful):
             data_wait_s=data_wait_s,
         )
 
-    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Forward and backward of all micro-batches through the pipeline schedule; the mean loss on the
-        last stage, 0 elsewhere. Only the first stage is given the inputs, only the last the labels."""
+    def _pipeline_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], backward: bool = True
+    ) -> torch.Tensor:
+        """All micro-batches through the pipeline schedule, forward and (unless `backward` is False)
+        backward; the mean loss on the last stage, 0 elsewhere. Only the first stage is given the inputs,
+        only the last the labels."""
         pipeline = self.parallel_model
         inputs, labels = (torch.cat(column) for column in zip(*batches))
         losses: list[torch.Tensor] = []
+        run = pipeline.schedule.step if backward else pipeline.schedule.eval
         with self._autocast():
-            pipeline.schedule.step(
+            run(
                 *((inputs,) if pipeline.first_stage else ()),
                 target=labels if pipeline.last_stage else None,
                 losses=losses if pipeline.last_stage else None,
@@ -323,7 +321,7 @@ class Trainer(Stateful):
             )
         if not losses:
             return torch.zeros((), device=self.device)
-        return torch.stack([plain(loss.detach()) for loss in losses]).mean()
+        return torch.stack([full_tensor(loss.detach()) for loss in losses]).mean()
 
     def _job_mean(self, local: torch.Tensor, agree_on_stop: bool = False) -> torch.Tensor:
         """The job-wide mean of a per-data-parallel-rank value held on the last stage (and the same on
@@ -355,7 +353,7 @@ class Trainer(Stateful):
         when set: a sharded run clips exactly as one process would."""
         params = [p for part in self.model_parts for p in part.parameters()]
         grads = [p.grad for p in params if p.grad is not None]
-        norm = plain(torch.nn.utils.get_total_norm(grads, foreach=True))
+        norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
         if self.parallel_dims.pp > 1:  # each stage holds different parameters: sum their squares
             squares = norm**2
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
@@ -382,27 +380,15 @@ class Trainer(Stateful):
         losses = []
         with loss_context(self.parallel_dims.tp > 1):
             if self.parallel_model.schedule is None:
-                losses = [plain(self.loss(inputs, labels)) for inputs, labels in batches]
+                losses = [full_tensor(self.loss(inputs, labels)) for inputs, labels in batches]
             else:
                 for start in range(0, len(batches), self.grad_accum_steps):
-                    losses.append(self._pipeline_eval(batches[start : start + self.grad_accum_steps]))
+                    losses.append(
+                        self._pipeline_step(batches[start : start + self.grad_accum_steps], backward=False)
+                    )
         for part in self.model_parts:
             part.train()
         return self._job_mean(torch.stack(losses).mean()).item()
-
-    def _pipeline_eval(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        pipeline = self.parallel_model
-        inputs, labels = (torch.cat(column) for column in zip(*batches))
-        losses: list[torch.Tensor] = []
-        with self._autocast():
-            pipeline.schedule.eval(
-                *((inputs,) if pipeline.first_stage else ()),
-                target=labels if pipeline.last_stage else None,
-                losses=losses if pipeline.last_stage else None,
-            )
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack([plain(loss) for loss in losses]).mean()
 
     def save_checkpoint(self) -> Path:
         descriptor = {"config": to_dict(self.cfg), "layout": self.parallel_dims.describe()}

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from megascale.parallel.tensor import full_tensor
+
 
 class Lamb(torch.optim.Optimizer):
     """LAMB over fp32 (or fp64) parameters; one trust ratio per parameter tensor."""
@@ -55,8 +57,8 @@ class Lamb(torch.optim.Optimizer):
         so this default is global for DTensors too; it issues one collective per tensor, and a subclass
         may override it to batch those reductions into one all-reduce.
         """
-        weight_norms = torch.stack([_global(torch.linalg.vector_norm(w)) for w in weights])
-        update_norms = torch.stack([_global(torch.linalg.vector_norm(u)) for u in updates])
+        weight_norms = torch.stack([full_tensor(torch.linalg.vector_norm(w)) for w in weights])
+        update_norms = torch.stack([full_tensor(torch.linalg.vector_norm(u)) for u in updates])
         return weight_norms, update_norms
 
     @torch.no_grad()
@@ -103,12 +105,3 @@ class Lamb(torch.optim.Optimizer):
         if group["weight_decay"] != 0:
             update.add_(weight, alpha=group["weight_decay"])
         return update
-
-
-def _global(norm: Tensor) -> Tensor:
-    """A norm as a plain tensor: a DTensor's pending cross-shard reduction is carried out here.
-
-    Duck-typed on DTensor.full_tensor so that single-device runs need not import torch.distributed.tensor.
-    """
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else norm

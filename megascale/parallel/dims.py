@@ -128,26 +128,38 @@ class ParallelDims:
                 training.global_batch_size,
                 f"is not divisible by the data-parallel degree {self.dp} (dp_replicate x dp_shard)",
             )
+
+        def suggestion(fits) -> str:
+            """The fix: the largest micro-batch size dividing the per-rank batch whose micro-batch count
+            `fits`, or a larger global batch when none does."""
+            sizes = [size for size in range(per_rank_batch, 0, -1) if per_rank_batch % size == 0]
+            good = [size for size in sizes if fits(size, per_rank_batch // size)]
+            if good:
+                return f"; try --training.micro_batch_size={good[0]}"
+            return "; raise training.global_batch_size"
+
         if per_rank_batch % training.micro_batch_size:
             fail(
                 "training.micro_batch_size",
                 training.micro_batch_size,
-                f"does not divide the per-rank batch {per_rank_batch} (global_batch_size / dp)",
+                f"does not divide the per-rank batch {per_rank_batch} (global_batch_size / dp)"
+                + suggestion(lambda size, count: size <= training.micro_batch_size),
             )
         microbatches = per_rank_batch // training.micro_batch_size
+        count = f"{microbatches} micro-batch{'' if microbatches == 1 else 'es'} per step"
         if self.pp > 1 and microbatches < self.pp:
             fail(
                 "training.micro_batch_size",
                 training.micro_batch_size,
-                f"leaves {microbatches} micro-batches per step, fewer than parallel.pp = {self.pp}; "
-                f"the pipeline schedule needs at least pp",
+                f"leaves {count}, fewer than parallel.pp = {self.pp} (the pipeline schedule needs at least "
+                "pp)" + suggestion(lambda size, count: count >= self.pp),
             )
         if self.pp > 1 and par.pp_schedule == "interleaved_1f1b" and microbatches % self.pp:
             fail(
                 "training.micro_batch_size",
                 training.micro_batch_size,
-                f"leaves {microbatches} micro-batches per step; interleaved 1F1B needs a multiple of "
-                f"parallel.pp = {self.pp}",
+                f"leaves {count}; interleaved 1F1B needs a multiple of parallel.pp = {self.pp}"
+                + suggestion(lambda size, count: count % self.pp == 0),
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

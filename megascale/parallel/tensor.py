@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -88,3 +88,10 @@ def apply_tensor_parallel(
 def loss_context(tensor_parallel: bool) -> contextlib.AbstractContextManager:
     """Where the loss must be computed: on vocabulary shards under TP (no gather of the logits)."""
     return loss_parallel() if tensor_parallel else contextlib.nullcontext()
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor as the whole tensor it stands for (a collective if it is sharded or partial); any other
+    tensor unchanged. Duck-typed, so callers need not know which they hold."""
+    whole = getattr(tensor, "full_tensor", None)
+    return whole() if whole is not None else tensor

@@ -57,6 +57,11 @@ def test_dp_shard_takes_the_rest_of_the_world():
         ),
         (
             2,
+            ["--parallel.tp=2", "--model.position=learned", "--model.max_seq_len=33"],
+            "model.max_seq_len = 33 is not divisible by parallel.tp = 2",
+        ),
+        (
+            2,
             ["--parallel.tp=2", "--data.seq_len=31"],
             "data.seq_len = 31 is not divisible by parallel.tp = 2",
         ),
@@ -80,12 +85,14 @@ def test_dp_shard_takes_the_rest_of_the_world():
         (
             4,
             ["--training.micro_batch_size=4"],
-            "training.micro_batch_size = 4 does not divide the per-rank batch 2",
+            "training.micro_batch_size = 4 does not divide the per-rank batch 2 (global_batch_size / dp); "
+            "try --training.micro_batch_size=2",
         ),
         (
             4,
             ["--parallel.pp=4", "--training.micro_batch_size=4"],
-            "leaves 2 micro-batches per step, fewer than",
+            "leaves 2 micro-batches per step, fewer than parallel.pp = 4 (the pipeline schedule needs at "
+            "least pp); try --training.micro_batch_size=2",
         ),
         (
             6,
@@ -97,7 +104,8 @@ def test_dp_shard_takes_the_rest_of_the_world():
                 "--training.micro_batch_size=1",
                 "--parallel.dp_shard=2",
             ],
-            "leaves 4 micro-batches per step; interleaved 1F1B needs a multiple of parallel.pp = 3",
+            "leaves 4 micro-batches per step; interleaved 1F1B needs a multiple of parallel.pp = 3; raise "
+            "training.global_batch_size",
         ),
     ],
 )
@@ -106,6 +114,15 @@ def test_bad_layouts_fail_with_one_clear_line(world, overrides, message):
         dims(world, *overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_one_micro_batch_is_singular_and_a_larger_global_batch_is_suggested_when_no_size_fits():
+    with pytest.raises(ConfigError) as err:
+        dims(2, "--parallel.pp=2", "--training.global_batch_size=1")
+    assert str(err.value).endswith(
+        "leaves 1 micro-batch per step, fewer than parallel.pp = 2 (the pipeline schedule needs at "
+        "least pp); raise training.global_batch_size"
+    )
 
 
 def test_dp_shard_zero_is_rejected_by_the_config():

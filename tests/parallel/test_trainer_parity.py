@@ -119,3 +119,37 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, reference, tiny_corpus, tmp_path):
     world_size, layout = LAYOUTS[name]
     check_parity(reference, tiny_corpus, tmp_path, world_size, layout)
+
+
+def validation_loss(rank, world_size, corpus, data_dir, run_dir, layout):
+    """Validation loss after 2 steps; 4 validation micro-batches of 1 sequence, a multiple of every
+    layout's unit (dp, times micro-batches per step under pp), so no layout rounds the count up."""
+    args = job_args(
+        corpus,
+        data_dir,
+        run_dir,
+        "--training.steps=2",
+        "--training.val_batches=4",
+        "--training.micro_batch_size=1",
+        *layout,
+    )
+    return Trainer(load_config(None, args)).train()["val_loss"]
+
+
+def test_validation_loss_matches_single_process(tiny_corpus, tmp_path):
+    data = tmp_path / "data"
+    reference = run_ranks(validation_loss, 1, tiny_corpus, data, tmp_path / "one", [])[0]
+    for name, world_size, layout in [
+        ("dp2", 2, ["--parallel.dp_shard=2"]),
+        (
+            "pp2 interleaved",
+            2,
+            ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"],
+        ),
+        ("dp2 x pp2", 4, ["--parallel.dp_shard=2", "--parallel.pp=2"]),
+    ]:
+        got = run_ranks(
+            validation_loss, world_size, tiny_corpus, data, tmp_path / name.replace(" ", ""), layout
+        )
+        print(f"validation loss, {name}: |delta| = {abs(got[0] - reference):.2e}")
+        assert abs(got[0] - reference) <= TOLERANCE
