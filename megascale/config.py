@@ -203,6 +203,16 @@ class CheckpointConfig:
     enabled: bool = option(True, "Save checkpoints.")
     every: int = option(120, "Save every N steps (and at the last step, and on SIGINT/SIGTERM).", ge=1)
     keep: int = option(3, "Keep the newest K checkpoints.", ge=1)
+    location: str | None = option(
+        None,
+        "Where checkpoints go: a path or any fsspec URL (file://, s3://, gs://, memory:// ...); unset means "
+        "<run_dir>/checkpoints.",
+    )
+    async_save: bool = option(
+        True,
+        "Two-stage saves: copy the state to host memory and go on training while a background thread "
+        "writes and commits it (paper §4.4). Off: write and commit before the next step.",
+    )
     resume: bool = option(True, "Resume from the newest checkpoint in the run directory.")
     init_from: str | None = option(
         None,

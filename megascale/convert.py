@@ -11,11 +11,11 @@ import dataclasses
 from pathlib import Path
 
 from megascale.checkpoint.checkpointer import (
-    DESCRIPTOR,
-    Checkpointer,
+    MANIFEST,
     list_checkpoints,
-    read_descriptor,
-    save_checkpoint_dir,
+    load_checkpoint,
+    read_manifest,
+    write_checkpoint,
 )
 from megascale.checkpoint.stateful import ModelState
 from megascale.config import JobConfig, from_dict, to_toml
@@ -24,14 +24,14 @@ from megascale.models.hf import load_hf, save_hf
 from megascale.models.llama import Transformer
 
 
-def resolve_checkpoint(source: Path) -> Path:
+def resolve_checkpoint(source: Path) -> str:
     """A checkpoint directory itself, or the newest committed one of a run directory."""
-    if (source / DESCRIPTOR).is_file():
-        return source
-    checkpoints = list_checkpoints(source / "checkpoints")
+    if (source / MANIFEST).is_file():
+        return str(source)
+    checkpoints = list_checkpoints(str(source / "checkpoints"))
     if not checkpoints:
         raise CheckpointError(
-            f"convert: {source} is neither a checkpoint (no {DESCRIPTOR}) nor a run "
+            f"convert: {source} is neither a checkpoint (no {MANIFEST}) nor a run "
             f"directory with committed checkpoints"
         )
     return checkpoints[-1][1]
@@ -40,9 +40,9 @@ def resolve_checkpoint(source: Path) -> Path:
 def export_hf(source: Path, out_dir: Path) -> Path:
     """Write the model of a run/checkpoint as a Hugging Face LlamaForCausalLM folder."""
     checkpoint = resolve_checkpoint(source)
-    model_cfg = from_dict(read_descriptor(checkpoint)["config"]).model
+    model_cfg = from_dict(read_manifest(checkpoint)["config"]).model
     model = Transformer(model_cfg)
-    Checkpointer(checkpoint.parent, keep=1).load(checkpoint, {"model": ModelState(model)})
+    load_checkpoint(checkpoint, {"model": ModelState(model)})
     save_hf(model.state_dict(), model_cfg, out_dir)
     return out_dir
 
@@ -54,8 +54,8 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     model.load_state_dict(state_dict)
     job = JobConfig(model=model_cfg)
     job.checkpoint.init_from = str(out_dir.resolve())
-    save_checkpoint_dir(
-        out_dir,
+    write_checkpoint(
+        str(out_dir),
         {"model": ModelState(model)},
         {"step": 0, "source": str(hf_dir), "config": {"model": dataclasses.asdict(model_cfg)}},
     )

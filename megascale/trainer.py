@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megascale.checkpoint.checkpointer import Checkpointer, read_descriptor
+from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, load_checkpoint, read_manifest
 from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
 from megascale.config import JobConfig, ModelConfig, flatten_keys, to_dict
 from megascale.data import build_dataloaders
@@ -83,7 +83,7 @@ def prepare_run_dir(path: str) -> Path:
     return run_dir
 
 
-def check_model_matches(checkpoint: Path, descriptor: dict[str, Any], model_cfg: ModelConfig) -> None:
+def check_model_matches(checkpoint: str, descriptor: dict[str, Any], model_cfg: ModelConfig) -> None:
     """Refuse a checkpoint written for a model of another shape, naming the first differing field."""
     saved = flatten_keys(descriptor.get("config", {}).get("model", {}))
     current = flatten_keys(dataclasses.asdict(model_cfg))
@@ -97,10 +97,10 @@ def check_model_matches(checkpoint: Path, descriptor: dict[str, Any], model_cfg:
         )
 
 
-def load_model_weights(checkpoint: Path, model: nn.Module | list[nn.Module]) -> None:
+def load_model_weights(checkpoint: str, model: nn.Module | list[nn.Module]) -> None:
     """Load only the model entry of a checkpoint (no optimizer, schedule or data position); the caller has
     checked it was written for this model's shape (`check_model_matches`)."""
-    Checkpointer(checkpoint.parent, keep=1).load(checkpoint, {"model": ModelState(model)})
+    load_checkpoint(checkpoint, {"model": ModelState(model)})
 
 
 class Trainer(Stateful):
@@ -118,13 +118,14 @@ class Trainer(Stateful):
         self.parallel_dims = dims = ParallelDims.from_config(cfg, world_size=env_world_size())
         self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.run_dir = prepare_run_dir(training.run_dir)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
-        resume_from = self.checkpointer.latest() if cfg.checkpoint.resume else None
-        if resume_from is not None:
-            check_model_matches(resume_from, read_descriptor(resume_from), cfg.model)
-        elif cfg.checkpoint.init_from is not None:
-            init_from = Path(cfg.checkpoint.init_from).expanduser()
-            check_model_matches(init_from, read_descriptor(init_from), cfg.model)
+        checkpoint_root = cfg.checkpoint.location or str(self.run_dir / "checkpoints")
+        # A checkpoint of another model is refused before anything is written or any process started.
+        committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
+        init_from = str(Path(cfg.checkpoint.init_from).expanduser()) if cfg.checkpoint.init_from else None
+        if committed:
+            check_model_matches(committed[-1][1], read_manifest(committed[-1][1]), cfg.model)
+        elif init_from is not None:
+            check_model_matches(init_from, read_manifest(init_from), cfg.model)
         setup_logging(self.run_dir, self.console, debug, rank=self.rank)
 
         if training.threads is not None:
@@ -132,6 +133,20 @@ class Trainer(Stateful):
         self.device = pick_device(training.device)
         init_distributed(self.device, cfg.parallel.timeout_s)
         self.mesh = dims.build_mesh(self.device.type) if dims.world_size > 1 else None
+        self.checkpointer = Checkpointer(
+            checkpoint_root,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+            process_group=dims.checkpoint_group() if self.mesh is not None else None,
+        )
+        resume_from = self.checkpointer.latest_verified() if committed else None
+        if committed and resume_from is None:
+            raise CheckpointError(
+                f"checkpoint: every checkpoint under {checkpoint_root} failed verification (see the warnings "
+                "above); move them away, or start afresh with --checkpoint.resume=false"
+            )
+        if resume_from is not None:
+            check_model_matches(resume_from, read_manifest(resume_from), cfg.model)
         self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
         self.grad_accum_steps = training.global_batch_size // dims.dp // training.micro_batch_size
         self.tokens_per_step = training.global_batch_size * cfg.data.seq_len
@@ -192,9 +207,9 @@ class Trainer(Stateful):
                 if saved_layout != dims.describe()
                 else "",
             )
-        elif cfg.checkpoint.init_from is not None:
-            load_model_weights(Path(cfg.checkpoint.init_from).expanduser(), self.model_parts)
-            log.info("initialised the model from %s", cfg.checkpoint.init_from)
+        elif init_from is not None:
+            load_model_weights(init_from, self.model_parts)
+            log.info("initialised the model from %s", init_from)
 
     @property
     def model(self) -> nn.Module:
@@ -262,6 +277,7 @@ class Trainer(Stateful):
                     self.save_checkpoint()
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
+        self.checkpointer.wait()  # nothing in flight when train() returns
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
         return summary
@@ -390,9 +406,13 @@ class Trainer(Stateful):
             part.train()
         return self._job_mean(torch.stack(losses).mean()).item()
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, blocking: bool = False) -> str:
+        """Snapshot the state now; it is written and committed in the background unless `blocking`."""
         descriptor = {"config": to_dict(self.cfg), "layout": self.parallel_dims.describe()}
-        return self.checkpointer.save(self.step, self.checkpoint_state(), descriptor)
+        location = self.checkpointer.save(self.step, self.checkpoint_state(), descriptor)
+        if blocking:
+            self.checkpointer.wait()
+        return location
 
     # -- helpers -------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale.checkpoint.checkpointer import list_checkpoints, read_descriptor
+from megascale.checkpoint.checkpointer import list_checkpoints, read_manifest
 from megascale.observe.metrics import read_metrics
 from tests.conftest import tiny_args
 
@@ -39,8 +39,8 @@ def test_nproc_2_trains_data_parallel_and_rank_0_alone_writes(tiny_corpus, tmp_p
     )  # once per step, not twice
     assert result.stderr.count("done: step 6/6") == 1
     assert "pp 1 x dp 1x2 x tp 1 = 2 processes" in (run_dir / "train.log").read_text()
-    (step, newest), *_ = reversed(list_checkpoints(run_dir / "checkpoints"))
-    assert step == 6 and read_descriptor(newest)["layout"] == "pp 1 x dp 1x2 x tp 1 = 2 processes"
+    (step, newest), *_ = reversed(list_checkpoints(str(run_dir / "checkpoints")))
+    assert step == 6 and read_manifest(newest)["layout"] == "pp 1 x dp 1x2 x tp 1 = 2 processes"
 
 
 def test_a_layout_that_does_not_fit_nproc_fails_before_starting_workers(tiny_corpus, tmp_path):
@@ -125,6 +125,6 @@ def test_sigterm_saves_a_checkpoint_on_every_rank_at_the_same_step(tiny_corpus, 
             job.kill()
             job.wait()
     assert job.returncode == 0, stderr[-3000:]
-    (step, checkpoint), *_ = reversed(list_checkpoints(run_dir / "checkpoints"))
+    (step, checkpoint), *_ = reversed(list_checkpoints(str(run_dir / "checkpoints")))
     assert step == read_metrics(run_dir)[-1]["step"]
     assert "received SIGTERM: saving a checkpoint" in stderr

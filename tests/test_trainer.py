@@ -1,16 +1,17 @@
 """The single-process trainer end to end on a tiny model: metrics, checkpoints, resume, signals."""
 
-import json
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from megascale.checkpoint.checkpointer import list_checkpoints
+from megascale.checkpoint.checkpointer import list_checkpoints, read_manifest
+from megascale.errors import CheckpointError
 from megascale.observe.metrics import read_metrics
 from megascale.trainer import Trainer
 from tests.conftest import tiny_args
@@ -45,7 +46,7 @@ def test_resume_in_process_is_exact(tiny_config, tmp_path):
     for _ in range(3):  # what the loop does, stopping after step 3
         first.train_step()
         first.step += 1
-    first.save_checkpoint()
+    first.save_checkpoint(blocking=True)
     second = Trainer(tiny_config(run_dir=tmp_path / "split"))
     assert second.step == 3
     second.train()
@@ -126,7 +127,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_corpus, tmp_path):
     assert len(checkpoints) == 1
     step, path = checkpoints[0]
     assert step == max(losses_by_step(run_dir))
-    assert json.loads((path / "megascale.json").read_text())["step"] == step
+    assert read_manifest(path)["step"] == step
 
 
 @pytest.mark.parametrize(
@@ -165,3 +166,25 @@ def test_trains_outside_the_main_thread(tiny_config):
     thread.join(timeout=120)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"]["step"] == 2
+
+
+def _corrupt_newest(run_dir):
+    step, location = list_checkpoints(run_dir / "checkpoints")[-1]
+    shard = next(path for path in Path(location).iterdir() if path.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-16])
+    return step
+
+
+def test_a_corrupted_newest_checkpoint_resumes_from_the_previous_one(tiny_config, tmp_path):
+    Trainer(tiny_config()).train()  # checkpoints at steps 3 and 6
+    assert _corrupt_newest(tmp_path / "run") == 6
+    assert Trainer(tiny_config()).step == 3
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "step 6 at" in log and "failed verification (file __0_0.distcp has" in log
+
+
+def test_when_every_checkpoint_is_damaged_the_run_refuses_to_start(tiny_config, tmp_path):
+    Trainer(tiny_config("--checkpoint.keep=1")).train()
+    _corrupt_newest(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="every checkpoint under .* failed verification"):
+        Trainer(tiny_config())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megascale.config import JobConfig, fail
@@ -170,6 +171,12 @@ class ParallelDims:
         names = MESH_ORDERS[self.rank_order]
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
         return init_device_mesh(device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
+
+    @staticmethod
+    def checkpoint_group() -> dist.ProcessGroup:
+        """A gloo group of all ranks for background checkpoint saves, whose collectives must not share a
+        group with training's (they run concurrently, from another thread). Collective."""
+        return dist.new_group(backend="gloo")
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""

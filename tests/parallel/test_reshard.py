@@ -38,7 +38,7 @@ def train(rank, world_size, corpus, data_dir, run_dir, layout, stop_at=None):
         while trainer.step < stop_at:
             trainer.train_step()
             trainer.step += 1
-        trainer.save_checkpoint()
+        trainer.save_checkpoint(blocking=True)
     return {record["step"]: record["loss"] for record in read_metrics(run_dir)} if rank == 0 else None
 
 
