@@ -1,4 +1,4 @@
-"""`megascale` command line: train, prepare, convert, calibrate.
+"""`megascale` command line: train, launch, evict, prepare, convert, calibrate.
 
 Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
 user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
@@ -86,6 +86,31 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.observe.progress import make_console, setup_logging
+    from megascale.parallel.dims import ParallelDims
+    from megascale.resilience.driver import Driver
+    from megascale.trainer import prepare_run_dir
+
+    cfg = _load(args, extra)
+    res = cfg.resilience
+    ParallelDims.from_config(cfg, world_size=res.nodes * res.nproc_per_node)  # a bad layout fails here
+    run_dir = prepare_run_dir(cfg.training.run_dir)
+    setup_logging(run_dir, make_console(), args.debug, filename="driver.log")
+    return Driver(cfg, [*_config_argv(args), *extra], run_dir).run()
+
+
+def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.resilience.driver import evict
+
+    cfg = _load(args, extra)
+    run_dir = Path(cfg.training.run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise ConfigError(f"evict: run directory {run_dir} does not exist (set --training.run_dir)")
+    print(f"blocklist of {run_dir}: {', '.join(evict(run_dir, args.node))}")
+    return 0
+
+
 def _config_argv(args: argparse.Namespace) -> list[str]:
     return ["--config", args.config] if args.config else []
 
@@ -160,6 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(run=cmd_train)
 
+    launch = verbs.add_parser(
+        "launch",
+        help="Run a training job under the resilience driver: executors per node, heartbeats, fault "
+        "detection, diagnostics, eviction and automatic restart (docs/resilience.md).",
+    )
+    _add_config_args(launch)
+    launch.set_defaults(run=cmd_launch)
+
+    evict_parser = verbs.add_parser(
+        "evict", help="Put a node on the job's blocklist (in training.run_dir): it is never used again."
+    )
+    _add_config_args(evict_parser)
+    evict_parser.add_argument("node", help="The node's name, as in events.jsonl (e.g. node-1).")
+    evict_parser.set_defaults(run=cmd_evict)
+
     prepare = verbs.add_parser(
         "prepare", help="Tokenize text (data.source) into memory-mapped shards (docs/data.md)."
     )
@@ -222,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_status", 2)
 
 
 if __name__ == "__main__":

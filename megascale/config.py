@@ -292,6 +292,49 @@ class ParallelConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """`megascale launch`: the driver, its executors, fault detection and recovery (docs/resilience.md)."""
+
+    nodes: int = option(
+        1, "Nodes the job runs on; on one machine each is an executor with its own processes.", ge=1
+    )
+    nproc_per_node: int = option(1, "Training processes per node.", ge=1)
+    spares: int = option(0, "Extra nodes kept idle to replace evicted ones.", ge=0)
+    store: str = option(
+        "tcp://127.0.0.1:0",
+        "Where heartbeats and commands go: tcp://HOST:PORT (a TCPStore the driver hosts; port 0 picks a free "
+        "one) or redis://HOST:PORT/DB (a Redis server).",
+    )
+    heartbeat_interval_s: float = option(1.0, "Seconds between an executor's heartbeats.", gt=0)
+    heartbeat_timeout_s: float = option(15.0, "A node whose heartbeat is older than this is lost.", gt=0)
+    hang_timeout_s: float = option(
+        120.0, "No step completed for this long, while the processes live, is a hang.", gt=0
+    )
+    startup_timeout_s: float = option(
+        600.0,
+        "The first step of an attempt may take this long (start-up, data preparation, compilation, loading "
+        "the checkpoint) before it counts as a hang.",
+        gt=0,
+    )
+    diagnose: bool = option(True, "Run the self-check on every node after a fault and evict those that fail.")
+    diagnose_timeout_s: float = option(
+        120.0, "A node that has not reported its self-check by then fails it.", gt=0
+    )
+    max_restarts: int = option(5, "Restarts before the driver gives up.", ge=0)
+    nan_policy: str = option(
+        "skip",
+        "On a non-finite loss or gradient norm (agreed by all ranks): 'skip' the update and go on; "
+        "'rollback': exit, and the driver restarts from the newest checkpoint.",
+        choices=("skip", "rollback"),
+    )
+    inject: str | None = option(
+        None,
+        "Faults to inject, for tests and rehearsals (also MEGASCALE_INJECT), e.g. 'kill:rank=1:step=7'; see "
+        "docs/resilience.md.",
+    )
+
+
+@dataclass
 class JobConfig:
     """A whole training job."""
 
@@ -302,6 +345,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     metrics: MetricsConfig = section(MetricsConfig)
     parallel: ParallelConfig = section(ParallelConfig)
+    resilience: ResilienceConfig = section(ResilienceConfig)
 
     def validate(self) -> None:
         """Check every field's range and the rules between fields; raise ConfigError on the first."""

@@ -1,8 +1,8 @@
 """User-facing errors.
 
 Anything the user can fix (a bad config value, a missing or corrupt file, a checkpoint of another model)
-raises a `MegascaleError`. The CLI prints it as one line and exits with status 2; everything else is a bug
-and keeps its traceback.
+raises a `MegascaleError`. The CLI prints it as one line and exits with status 2 (3 for a non-finite
+rollback, which the resilience driver recovers from); everything else is a bug and keeps its traceback.
 """
 
 
@@ -20,3 +20,9 @@ class DataError(MegascaleError):
 
 class CheckpointError(MegascaleError):
     """A checkpoint is missing, corrupt, or was written for another model."""
+
+
+class NonFiniteError(MegascaleError):
+    """Training met a NaN/inf loss or gradient norm and its policy is to roll back (exit status 3)."""
+
+    exit_status = 3

@@ -32,7 +32,7 @@ from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, lo
 from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
 from megascale.config import JobConfig, ModelConfig, flatten_keys, to_dict
 from megascale.data import build_dataloaders
-from megascale.errors import CheckpointError, ConfigError
+from megascale.errors import CheckpointError, ConfigError, NonFiniteError
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
 from megascale.observe.metrics import MetricsWriter
@@ -43,6 +43,8 @@ from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
 from megascale.parallel.parallelize import parallelize
 from megascale.parallel.tensor import full_tensor, loss_context
+from megascale.resilience.client import ProgressReporter
+from megascale.resilience.inject import FaultInjector
 
 log = logging.getLogger("megascale.trainer")
 
@@ -168,6 +170,10 @@ class Trainer(Stateful):
             self.train_loader.tokenizer.vocab_size,
         )
 
+        self.injector = FaultInjector(cfg.resilience.inject, self.rank)
+        self.reporter = ProgressReporter(self.rank)
+        self._loss_scale = 1.0
+        self._last_nonfinite_step: int | None = None
         torch.manual_seed(training.seed)
         self.parallel_model = parallelize(
             Transformer(cfg.model).to(self.device),
@@ -176,7 +182,7 @@ class Trainer(Stateful):
             cfg.parallel,
             device=self.device,
             microbatches=self.grad_accum_steps,
-            loss_fn=next_token_loss,
+            loss_fn=self._pipeline_loss,
             compile_blocks=training.compile,
         )
         self.model_parts = self.parallel_model.parts
@@ -258,6 +264,15 @@ class Trainer(Stateful):
                 self.step += 1
                 steps_run += 1
                 record = self._record(metrics)
+                if not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)):
+                    self._last_nonfinite_step = self.step
+                self.reporter.report(
+                    self.step,
+                    loss=metrics.loss,
+                    grad_norm=metrics.grad_norm,
+                    step_time_s=metrics.step_time_s,
+                    last_nonfinite_step=self._last_nonfinite_step,  # sticky: the driver reads now and then
+                )
                 last = self.step == training.steps
                 if (self.step % training.val_every == 0 or last) and self.val_loader.num_sequences:
                     record["val_loss"] = summary["val_loss"] = self.validate()
@@ -285,6 +300,8 @@ class Trainer(Stateful):
     def train_step(self) -> StepMetrics:
         """One optimizer step over `global_batch_size` sequences (gradient accumulation), clipped."""
         started = time.perf_counter()
+        self.injector.before_step(self.step + 1)
+        self._loss_scale = self.injector.loss_scale(self.step + 1)
         for part in self.model_parts:
             part.train()
         data_wait_s = 0.0
@@ -300,15 +317,20 @@ class Trainer(Stateful):
             else:
                 local_loss = torch.zeros((), device=self.device)
                 for inputs, labels in batches:
-                    loss = self.loss(inputs, labels) / self.grad_accum_steps
+                    loss = self.loss(inputs, labels) * self._loss_scale / self.grad_accum_steps
                     loss.backward()
                     local_loss += full_tensor(loss.detach())
         grad_norm = self.clip_gradients()
         lr = self.optimizers[0].param_groups[0]["lr"]
+        finite = bool(torch.isfinite(grad_norm))  # the norm is global: every rank decides alike
+        if not finite:
+            self._on_nonfinite(grad_norm)
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
-            optimizer.step()
+            if finite:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+        self.injector.after_step(time.perf_counter() - started)
         loss_value = self._job_mean(local_loss, agree_on_stop=True).item()  # one sync per step
         return StepMetrics(
             loss=loss_value,
@@ -317,6 +339,24 @@ class Trainer(Stateful):
             step_time_s=time.perf_counter() - started,
             data_wait_s=data_wait_s,
         )
+
+    def _on_nonfinite(self, grad_norm: torch.Tensor) -> None:
+        """A NaN/inf gradient norm: skip this update, or (nan_policy = rollback) end the process so that
+        the driver restarts from the newest checkpoint."""
+        step, policy = self.step + 1, self.cfg.resilience.nan_policy
+        if policy == "rollback":
+            raise NonFiniteError(
+                f"step {step}: non-finite gradient norm ({grad_norm.item()}); exiting for a rollback to "
+                "the newest checkpoint (resilience.nan_policy = rollback)"
+            )
+        log.warning(
+            "step %d: non-finite gradient norm (%s); update skipped (resilience.nan_policy = skip)",
+            step,
+            grad_norm.item(),
+        )
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(logits, labels) * self._loss_scale
 
     def _pipeline_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], backward: bool = True

@@ -34,8 +34,10 @@ class PlainStderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def setup_logging(run_dir: Path | None, console: Console, debug: bool = False, rank: int = 0) -> None:
-    """megascale's log lines to the console (through rich) and to <run_dir>/train.log.
+def setup_logging(
+    run_dir: Path | None, console: Console, debug: bool = False, rank: int = 0, filename: str = "train.log"
+) -> None:
+    """megascale's log lines to the console (through rich) and to <run_dir>/<filename>.
 
     In a multi-process job rank 0 speaks for the job; every other rank prints only its warnings and
     errors, prefixed with its rank, so that N ranks do not repeat every line N times."""
@@ -60,7 +62,7 @@ def setup_logging(run_dir: Path | None, console: Console, debug: bool = False, r
         plain.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S"))
         log.addHandler(plain)
     if run_dir is not None:
-        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler = logging.FileHandler(run_dir / filename)
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         log.addHandler(file_handler)
 

@@ -1,0 +1,40 @@
+"""What a training process tells its executor: its progress, one small JSON file per rank, every step.
+
+The executor's heartbeat reads these files (node-local, so no network and no store client in the hot
+loop). Written by rename, so a reader never sees half a file. Off unless the executor set
+MEGASCALE_HEARTBEAT_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_DIR = "MEGASCALE_HEARTBEAT_DIR"
+
+
+class ProgressReporter:
+    def __init__(self, rank: int, directory: str | None = None):
+        directory = directory or os.environ.get(HEARTBEAT_DIR)
+        self.path = Path(directory) / f"rank-{rank}.json" if directory else None
+
+    def report(self, step: int, **metrics: Any) -> None:
+        if self.path is None:
+            return
+        staged = self.path.with_suffix(".tmp")
+        staged.write_text(json.dumps({"step": step, "time": time.time(), "pid": os.getpid(), **metrics}))
+        os.replace(staged, self.path)
+
+
+def read_progress(directory: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's newest report in `directory`, by rank."""
+    reports = {}
+    for path in directory.glob("rank-*.json"):
+        try:
+            reports[int(path.stem.split("-")[1])] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # replaced while reading: the next heartbeat has it
+    return reports

@@ -1,0 +1,364 @@
+"""The job driver (`megascale launch`): start executors, watch heartbeats, and recover from faults.
+
+One driver per job (paper §4.1-4.3). It hosts the store (or uses Redis), starts one executor per node on
+this machine (on a cluster, executors are started per host and join through the store), and then loops:
+start an attempt on the healthy nodes, watch their heartbeats, and on a fault stop every node, run the
+self-check diagnostics, evict the nodes that fail (the blocklist lives in the run directory, so an
+evicted node is never reused, even by a new driver), and start the next attempt, which resumes from the
+newest verified checkpoint. Every decision goes to `<run_dir>/events.jsonl` with its time.
+
+torchrun (inside each executor) already restarts workers; what it lacks, and this adds, is detection
+beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a restart, and a record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.config import JobConfig
+from megascale.errors import ConfigError
+from megascale.resilience.inject import active_faults
+from megascale.resilience.store import ControlStore, open_store
+
+log = logging.getLogger("megascale.driver")
+
+BLOCKLIST = "blocklist.json"
+EVENTS = "events.jsonl"
+
+
+class EventLog:
+    """Append-only JSON lines: {"time": unix seconds, "event": name, ...}; each also logged."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / EVENTS
+
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "event": event, **fields}
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+        details = ", ".join(f"{key} {value}" for key, value in fields.items())
+        log.info("%s%s", event, f": {details}" if details else "")
+        return record
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / EVENTS
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def read_blocklist(run_dir: Path) -> list[str]:
+    path = Path(run_dir) / BLOCKLIST
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def evict(run_dir: Path, node: str) -> list[str]:
+    """Add `node` to the job's blocklist (`megascale evict`); returns the list."""
+    nodes = read_blocklist(run_dir)
+    if node not in nodes:
+        nodes.append(node)
+        staged = Path(run_dir) / f".{BLOCKLIST}.tmp"
+        staged.write_text(json.dumps(nodes))
+        os.replace(staged, Path(run_dir) / BLOCKLIST)
+    return nodes
+
+
+@dataclass
+class Fault:
+    kind: str  # process_exit | heartbeat_lost | hang
+    node: str | None
+    detail: str
+    last_progress_step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Driver:
+    def __init__(self, cfg: JobConfig, train_args: list[str], run_dir: Path):
+        self.cfg = cfg
+        self.res = cfg.resilience
+        self.train_args = train_args
+        self.run_dir = run_dir
+        self.job = uuid.uuid4().hex[:8]
+        self.events = EventLog(run_dir)
+        self.store: ControlStore | None = None
+        self.executors: dict[str, subprocess.Popen] = {}
+        self.seq = 0
+        self.stop_requested = False
+
+    # -- executors ------------------------------------------------------------------------------------
+    def _command(self, node: str, action: str, **fields: Any) -> None:
+        self.seq += 1
+        self.store.put(f"cmd/{node}", {"seq": self.seq, "action": action, **fields})
+
+    def _beat(self, node: str) -> dict[str, Any] | None:
+        return self.store.fetch(f"hb/{node}")
+
+    def start_executors(self) -> None:
+        for index in range(self.res.nodes + self.res.spares):
+            node = f"node-{index}"
+            if node in read_blocklist(self.run_dir):
+                continue
+            self.executors[node] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megascale.resilience.executor",
+                    "--store",
+                    self.store.url,
+                    "--job",
+                    self.job,
+                    "--node",
+                    node,
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--interval",
+                    str(self.res.heartbeat_interval_s),
+                ],
+                start_new_session=True,
+            )
+
+    def healthy_nodes(self) -> list[str]:
+        blocked = set(read_blocklist(self.run_dir))
+        return [node for node, proc in self.executors.items() if node not in blocked and proc.poll() is None]
+
+    # -- one attempt ----------------------------------------------------------------------------------
+    def start_attempt(self, nodes: list[str], attempt: int) -> None:
+        nproc = self.res.nproc_per_node
+        threads = max(1, (os.cpu_count() or 1) // (nproc * len(nodes)))
+        endpoint = f"127.0.0.1:{_free_port()}"
+        for node in nodes:
+            self._command(
+                node,
+                "start",
+                attempt=attempt,
+                nnodes=len(nodes),
+                nproc_per_node=nproc,
+                rdzv_endpoint=endpoint,
+                rdzv_id=f"{self.job}-{attempt}",
+                train_args=self.train_args,
+                threads=threads,
+            )
+        self.events.write("start", attempt=attempt, nodes=nodes, processes=len(nodes) * nproc)
+
+    def watch(self, nodes: list[str], attempt: int, resume_step: int) -> Fault | None:
+        """Until the attempt ends: None when every node finished cleanly, else the first fault seen."""
+        res = self.res
+        started = time.time()
+        last_step, last_change = -1, started
+        recovered = attempt == 0
+        reported_nonfinite: set[int] = set()
+        while True:
+            time.sleep(res.heartbeat_interval_s)
+            now = time.time()
+            if self.stop_requested:
+                return None
+            beats = {node: self._beat(node) for node in nodes}
+            current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == attempt}
+            for node in nodes:
+                beat = beats[node]
+                age = now - (beat["time"] if beat else started)
+                if age > res.heartbeat_timeout_s:
+                    return Fault("heartbeat_lost", node, f"no heartbeat for {age:.1f} s", last_step)
+                if node in current and beat["state"] == "exited" and beat["exit_code"] != 0:
+                    errors = beat.get("errors", [])[-5:]
+                    return Fault(
+                        "process_exit",
+                        node,
+                        f"torchrun exited with status {beat['exit_code']}",
+                        last_step,
+                        {"errors": errors},
+                    )
+            if len(current) == len(nodes) and all(beat["state"] == "exited" for beat in current.values()):
+                return None
+            reports = {rank: report for beat in current.values() for rank, report in beat["progress"].items()}
+            steps = [report["step"] for report in reports.values()]
+            for report in reports.values():
+                bad_step = report.get("last_nonfinite_step")
+                every_rank_past_it = (
+                    len(reports) == len(nodes) * res.nproc_per_node
+                    and all(other["step"] >= bad_step for other in reports.values())
+                    if bad_step is not None
+                    else False
+                )
+                if every_rank_past_it and bad_step not in reported_nonfinite:
+                    reported_nonfinite.add(bad_step)
+                    ranks = sorted(
+                        int(r) for r, rep in reports.items() if rep.get("last_nonfinite_step") == bad_step
+                    )
+                    self.events.write(
+                        "nonfinite",
+                        attempt=attempt,
+                        step=bad_step,
+                        ranks=ranks,
+                        policy=self.cfg.resilience.nan_policy,
+                    )
+            if steps and max(steps) != last_step:
+                last_step, last_change = max(steps), now
+                if not recovered and last_step > resume_step:
+                    recovered = True
+                    self.events.write("recovered", attempt=attempt, first_step=last_step)
+            elif now - last_change > (res.hang_timeout_s if last_step >= 0 else res.startup_timeout_s):
+                low = min(steps) if steps else None
+                suspects = sorted(int(rank) for rank, report in reports.items() if report["step"] == low)
+                return Fault(
+                    "hang",
+                    None,
+                    f"no step completed for {now - last_change:.1f} s",
+                    last_step,
+                    {"suspect_ranks": suspects if len(suspects) < len(reports) else []},
+                )
+
+    def stop_nodes(self, nodes: list[str], action: str = "stop") -> None:
+        for node in nodes:
+            self._command(node, action)
+        deadline = time.time() + self.res.heartbeat_timeout_s + (60 if action == "terminate" else 0)
+        while time.time() < deadline:
+            beats = [self._beat(node) for node in nodes]
+            if all(beat is None or beat["state"] != "running" for beat in beats):
+                return
+            time.sleep(self.res.heartbeat_interval_s)
+
+    def diagnose(self, nodes: list[str], attempt: int) -> list[str]:
+        """Run the self-check on `nodes`; returns those that failed it (or never answered)."""
+        seq_before = self.seq
+        for node in nodes:
+            self._command(node, "diagnose", attempt=attempt, inject=self.res.inject)
+        failed, deadline = [], time.time() + self.res.diagnose_timeout_s
+        pending = set(nodes)
+        while pending and time.time() < deadline:
+            for node in sorted(pending):
+                result = self.store.fetch(f"diag/{node}")
+                if result and result["seq"] > seq_before:
+                    pending.discard(node)
+                    self.events.write(
+                        "diagnosis",
+                        node=node,
+                        passed=result["passed"],
+                        reason=result["reason"],
+                        checks=result["checks"],
+                    )
+                    if not result["passed"]:
+                        failed.append(node)
+            time.sleep(0.2)
+        for node in sorted(pending):
+            self.events.write("diagnosis", node=node, passed=False, reason="no answer")
+            failed.append(node)
+        return failed
+
+    # -- the job --------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.store = open_store(self.res.store, job=self.job, host=True)
+        self.events.write(
+            "driver",
+            job=self.job,
+            store=self.store.url,
+            nodes=self.res.nodes,
+            nproc_per_node=self.res.nproc_per_node,
+            spares=self.res.spares,
+        )
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.start_executors()
+        try:
+            return self._loop()
+        finally:
+            for node in self.executors:
+                self._command(node, "exit")
+            for proc in self.executors.values():
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> int:
+        attempt, resume_step = 0, 0
+        while True:
+            nodes = self.healthy_nodes()[: self.res.nodes]
+            if not self._layout_fits(len(nodes)):
+                self.events.write("give_up", reason=f"{len(nodes)} healthy nodes cannot run the job's layout")
+                return 1
+            self.start_attempt(nodes, attempt)
+            fault = self.watch(nodes, attempt, resume_step)
+            if self.stop_requested:
+                self.stop_nodes(nodes, "terminate")
+                self.events.write("stopped", attempt=attempt, reason="signal")
+                return 0
+            if fault is None:
+                self.events.write("done", attempt=attempt)
+                return 0
+            self.events.write(
+                "fault",
+                attempt=attempt,
+                kind=fault.kind,
+                node=fault.node,
+                detail=fault.detail,
+                last_step=fault.last_progress_step,
+                **fault.extra,
+            )
+            self.stop_nodes(nodes)
+            self.events.write("stopped", attempt=attempt, nodes=nodes)
+            if self.res.diagnose:
+                for node in self.diagnose(nodes, attempt):
+                    evict(self.run_dir, node)
+                    self.events.write("evict", node=node)
+            if attempt >= self.res.max_restarts:
+                self.events.write(
+                    "give_up", reason=f"resilience.max_restarts = {self.res.max_restarts} reached"
+                )
+                return 1
+            attempt += 1
+            resume_step = self._newest_checkpoint_step(attempt)
+            self.events.write("restart", attempt=attempt, resume_step=resume_step)
+
+    def _newest_checkpoint_step(self, attempt: int) -> int:
+        from megascale.checkpoint.checkpointer import list_checkpoints
+
+        root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
+        checkpoints = list_checkpoints(root)
+        if checkpoints and any(
+            f.kind == "corrupt_checkpoint" for f in active_faults(self.res.inject, attempt - 1)
+        ):
+            _corrupt(checkpoints[-1][1])
+            self.events.write("injected", kind="corrupt_checkpoint", checkpoint=checkpoints[-1][1])
+        return checkpoints[-1][0] if checkpoints else 0
+
+    def _layout_fits(self, nodes: int) -> bool:
+        from megascale.parallel.dims import ParallelDims
+
+        if nodes == 0:
+            return False
+        try:
+            ParallelDims.from_config(self.cfg, world_size=nodes * self.res.nproc_per_node)
+        except ConfigError as err:
+            log.error("%s", err)
+            return False
+        return True
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        self.stop_requested = True
+
+
+def _corrupt(location: str) -> None:
+    """Truncate one shard (fault injection: a damaged newest checkpoint)."""
+    shards = sorted(path for path in Path(location).iterdir() if path.suffix == ".distcp")
+    shard = random.Random(0).choice(shards)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

@@ -1,0 +1,193 @@
+"""One executor per node: starts the node's training processes through torchrun and reports a heartbeat.
+
+torchrun (torch.distributed.elastic) runs this node's workers and joins the other nodes through its c10d
+rendezvous, whose endpoint the driver hands out per attempt. The executor adds what MegaScale's executor
+does on top (paper §4.1): a heartbeat with the node's process states, each rank's step and loss, and the
+log lines that match error keywords; and it obeys the driver's commands (start, stop, diagnose, exit).
+Stop kills the whole torchrun session at once: after a fault, the workers' state is not worth saving
+(the restart loads the newest verified checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megascale.resilience.client import HEARTBEAT_DIR, read_progress
+from megascale.resilience.inject import ATTEMPT
+from megascale.resilience.store import open_store
+
+ERROR_KEYWORDS = re.compile(
+    r"Traceback|Error|NCCL|[Gg]loo|CUDA error|Segmentation fault|core dumped|Killed|exitcode", re.ASCII
+)
+MAX_ERROR_LINES = 20
+
+
+class Executor:
+    def __init__(self, store_url: str, job: str, node: str, run_dir: Path, interval_s: float):
+        self.store = open_store(store_url, job=job)
+        self.node = node
+        self.run_dir = run_dir
+        self.interval_s = interval_s
+        self.node_dir = run_dir / "nodes" / node
+        self.node_dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.attempt: int | None = None
+        self.log_path: Path | None = None
+        self.log_offset = 0
+        self.errors: list[str] = []
+        self.seen_command = -1
+        self.diagnosis: dict[str, Any] | None = None
+
+    # -- commands -------------------------------------------------------------------------------------
+    def start(self, command: dict[str, Any]) -> None:
+        self.stop()
+        self.attempt = int(command["attempt"])
+        progress_dir = self.node_dir / f"attempt-{self.attempt}"
+        progress_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = progress_dir / "output.log"
+        self.log_offset, self.errors = 0, []
+        env = dict(
+            os.environ,
+            **{HEARTBEAT_DIR: str(progress_dir), ATTEMPT: str(self.attempt)},
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+            OMP_NUM_THREADS=str(command.get("threads", 1)),
+        )
+        torchrun = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={command['nnodes']}",
+            f"--nproc-per-node={command['nproc_per_node']}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={command['rdzv_endpoint']}",
+            f"--rdzv-id={command['rdzv_id']}",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            "-m", "megascale.cli", "train", *command["train_args"],
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                torchrun, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def terminate(self, grace_s: float = 60.0) -> None:
+        """Ask torchrun to stop: it passes SIGTERM to the workers, which checkpoint and exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def diagnose(self, command: dict[str, Any]) -> None:
+        from megascale.resilience.diagnostics import run_self_check
+
+        self.diagnosis = run_self_check(self.node, command)
+        self.store.put(f"diag/{self.node}", {"seq": command["seq"], **self.diagnosis})
+
+    # -- heartbeat ------------------------------------------------------------------------------------
+    def heartbeat(self) -> dict[str, Any]:
+        state, exit_code = "idle", None
+        if self.proc is not None:
+            exit_code = self.proc.poll()
+            state = "running" if exit_code is None else "exited"
+        self._scan_log()
+        progress = read_progress(self.log_path.parent) if self.log_path else {}
+        beat = {
+            "time": time.time(),
+            "node": self.node,
+            "host": socket.gethostname(),
+            "attempt": self.attempt,
+            "state": state,
+            "exit_code": exit_code,
+            "pid": self.proc.pid if self.proc else None,
+            "workers": _children_alive(self.proc.pid) if state == "running" else [],
+            "progress": {str(rank): report for rank, report in progress.items()},
+            "errors": self.errors[-MAX_ERROR_LINES:],
+        }
+        self.store.put(f"hb/{self.node}", beat)
+        return beat
+
+    def _scan_log(self) -> None:
+        """New log lines matching an error keyword go into the heartbeat."""
+        if self.log_path is None or not self.log_path.exists():
+            return
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_offset)
+            chunk = log.read()
+        complete = chunk.rfind(b"\n") + 1
+        self.log_offset += complete
+        for line in chunk[:complete].decode(errors="replace").splitlines():
+            if ERROR_KEYWORDS.search(line):
+                self.errors.append(line[:300])
+
+    def run(self) -> None:
+        while True:
+            command = self.store.fetch(f"cmd/{self.node}")
+            if command is not None and command["seq"] > self.seen_command:
+                self.seen_command = command["seq"]
+                action = command["action"]
+                if action == "start":
+                    self.start(command)
+                elif action == "stop":
+                    self.stop()
+                elif action == "terminate":
+                    self.terminate()
+                elif action == "diagnose":
+                    self.stop()
+                    self.diagnose(command)
+                elif action == "exit":
+                    self.stop()
+                    self.heartbeat()
+                    return
+            self.heartbeat()
+            time.sleep(self.interval_s)
+
+
+def _children_alive(pid: int) -> list[int]:
+    """Live child processes of `pid` (torchrun's workers), from /proc."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="megascale executor: runs one node's training processes.")
+    parser.add_argument("--store", required=True, help="The driver's store URL (tcp://... or redis://...).")
+    parser.add_argument("--job", required=True, help="Job id (the driver's).")
+    parser.add_argument("--node", required=True, help="This node's name.")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--interval", type=float, default=1.0, help="Heartbeat interval, seconds.")
+    args = parser.parse_args(argv)
+    executor = Executor(args.store, args.job, args.node, args.run_dir, args.interval)
+    signal.signal(signal.SIGTERM, lambda *_: (executor.stop(), sys.exit(0)))
+    try:
+        executor.run()
+    finally:
+        executor.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Fault injection for tests and rehearsals: `resilience.inject` or MEGASCALE_INJECT, e.g.
+"kill:rank=1:step=7,slow:rank=2:factor=1.5".
+
+Faults a training process injects into itself:
+- kill:rank=R:step=S      SIGKILL itself when step S begins
+- hang:rank=R:step=S      stop making progress at step S (sleep, holding its peers in the next collective)
+- nan:step=S              make step S's loss NaN on every rank
+- slow:rank=R:factor=F    stretch every step of rank R to F times its length
+Faults the executor and checkpoints take (resilience/executor.py, resilience/diagnostics.py):
+- diagnose_fail:node=N    node N fails its self-check
+- corrupt_checkpoint      truncate a shard of the newest checkpoint before the restart
+A fault fires in the first attempt only (`attempt=K` picks another), so a restart replays cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+INJECT = "MEGASCALE_INJECT"
+ATTEMPT = "MEGASCALE_ATTEMPT"
+KINDS = {"kill", "hang", "nan", "slow", "diagnose_fail", "corrupt_checkpoint"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    params: dict[str, float] = field(default_factory=dict)
+
+    def get(self, name: str, default: float | None = None) -> float | None:
+        return self.params.get(name, default)
+
+
+def parse_faults(spec: str | None) -> list[Fault]:
+    """`kind:key=value:...` items separated by commas; raises ValueError naming the bad item."""
+    faults = []
+    for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+        kind, *pairs = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown fault {kind!r} in {item!r}; known: {', '.join(sorted(KINDS))}")
+        params = {}
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            try:
+                params[name] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise ValueError(f"fault {item!r}: {pair!r} is not key=number")
+        faults.append(Fault(kind, params))
+    return faults
+
+
+def active_faults(spec: str | None, attempt: int) -> list[Fault]:
+    return [fault for fault in parse_faults(spec) if int(fault.get("attempt", 0)) == attempt]
+
+
+class FaultInjector:
+    """The faults of one training rank, called by the trainer around each step."""
+
+    def __init__(self, spec: str | None, rank: int, attempt: int | None = None):
+        attempt = int(os.environ.get(ATTEMPT, "0")) if attempt is None else attempt
+        spec = spec if spec is not None else os.environ.get(INJECT)
+        self.faults = [
+            fault
+            for fault in active_faults(spec, attempt)
+            if fault.kind in {"kill", "hang", "nan", "slow"} and int(fault.get("rank", rank)) == rank
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def before_step(self, step: int) -> None:
+        """`step` is the number of the step about to run (1-based)."""
+        for fault in self.faults:
+            if fault.kind == "kill" and step == fault.get("step"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "hang" and step == fault.get("step"):
+                while True:
+                    time.sleep(3600)
+
+    def loss_scale(self, step: int) -> float:
+        """1.0, or NaN at an injected NaN step (applied to the loss before backward)."""
+        nan = any(fault.kind == "nan" and step == fault.get("step") for fault in self.faults)
+        return float("nan") if nan else 1.0
+
+    def after_step(self, step_time_s: float) -> None:
+        for fault in self.faults:
+            if fault.kind == "slow":
+                time.sleep(max(0.0, (fault.get("factor", 1.0) - 1.0) * step_time_s))

@@ -1,0 +1,77 @@
+"""The control store the driver and executors talk through: torch's TCPStore, or a Redis server.
+
+Heartbeats, commands and diagnostics results are small JSON values under well-known keys (the driver knows
+the node names, so nothing ever lists keys). TCPStore needs no setup: the driver hosts it. Redis
+(`resilience.store = "redis://host:port/db"`) survives the driver and serves thousands of clients; the
+MegaScale paper moved to it for exactly that (§3.5). Only get/set/delete are needed here, so this is a
+thin adapter, not a torch.distributed.Store.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+
+class ControlStore(Protocol):
+    url: str
+
+    def put(self, key: str, value: Any) -> None: ...
+    def fetch(self, key: str) -> Any | None: ...
+    def delete(self, key: str) -> None: ...
+
+
+class TorchStore:
+    """torch.distributed.TCPStore; `host=True` serves it (the driver), else connects as a client."""
+
+    def __init__(self, address: str, port: int, *, host: bool, timeout_s: float = 30.0):
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(
+            address, port, is_master=host, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.url = f"tcp://{address}:{self._store.port}"
+
+    def put(self, key: str, value: Any) -> None:
+        self._store.set(key, json.dumps(value))
+
+    def fetch(self, key: str) -> Any | None:
+        if not self._store.check([key]):
+            return None
+        return json.loads(self._store.get(key))
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)
+
+
+class RedisStore:
+    """A Redis server, through redis-py; keys are prefixed by the job so jobs can share a server."""
+
+    def __init__(self, url: str, prefix: str):
+        import redis
+
+        self._redis = redis.Redis.from_url(url, socket_timeout=30)
+        self._prefix = prefix
+        self.url = url
+
+    def put(self, key: str, value: Any) -> None:
+        self._redis.set(self._prefix + key, json.dumps(value))
+
+    def fetch(self, key: str) -> Any | None:
+        raw = self._redis.get(self._prefix + key)
+        return None if raw is None else json.loads(raw)
+
+    def delete(self, key: str) -> None:
+        self._redis.delete(self._prefix + key)
+
+
+def open_store(url: str, *, job: str, host: bool = False) -> ControlStore:
+    """`tcp://addr:port` (port 0 with host=True picks a free one) or `redis://host:port/db`."""
+    parsed = urlparse(url)
+    if parsed.scheme == "redis":
+        return RedisStore(url, prefix=f"megascale/{job}/")
+    if parsed.scheme == "tcp":
+        return TorchStore(parsed.hostname or "127.0.0.1", parsed.port or 0, host=host)
+    raise ValueError(f"resilience.store must be tcp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}")

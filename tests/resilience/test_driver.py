@@ -1,0 +1,190 @@
+"""`megascale launch` end to end: real executors, torchrun and workers; faults injected, detected from
+heartbeats, diagnosed, evicted and recovered from, with the events log as the record."""
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from megascale.checkpoint.checkpointer import list_checkpoints
+from megascale.observe.metrics import read_metrics
+from megascale.resilience.driver import read_blocklist, read_events
+from tests.conftest import tiny_args
+
+STEPS, EVERY = 12, 4
+JOB = [
+    f"--training.steps={STEPS}",
+    f"--checkpoint.every={EVERY}",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=1",
+    "--training.val_every=1000",
+    "--resilience.heartbeat_interval_s=0.5",
+    "--resilience.heartbeat_timeout_s=20",
+]
+
+
+def run(command, tiny_corpus, tmp_path, name, *extra, nproc=None, timeout=400):
+    run_dir = tmp_path / name
+    args = tiny_args(tiny_corpus, run_dir, tmp_path / "data", *JOB, *extra)
+    head = [sys.executable, "-m", "megascale.cli", command] + (["--nproc", str(nproc)] if nproc else [])
+    result = subprocess.run([*head, *args], capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir
+
+
+def losses(run_dir):
+    """The last logged loss of every step (a restarted attempt logs its recomputed steps again)."""
+    return {record["step"]: record["loss"] for record in read_metrics(run_dir)}
+
+
+def kinds(events):
+    return [event["event"] for event in events]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_corpus, tmp_path_factory):
+    """An uninterrupted run of the same 4-process job."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    return losses(run("train", tiny_corpus, tmp_path, "reference", "--parallel.dp_shard=4", nproc=4))
+
+
+def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, tiny_corpus, tmp_path):
+    choice = random.Random()
+    rank, step = choice.randrange(4), choice.randrange(2, STEPS)
+    print(f"killing rank {rank} at step {step}")
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "killed",
+        "--resilience.nodes=2",
+        "--resilience.nproc_per_node=2",
+        f"--resilience.inject=kill:rank={rank}:step={step}",
+        "--checkpoint.async_save=false",
+    )
+    events = read_events(run_dir)
+    assert kinds(events)[:2] == ["driver", "start"] and kinds(events)[-1] == "done"
+    fault = next(event for event in events if event["event"] == "fault")
+    restart = next(event for event in events if event["event"] == "restart")
+    assert fault["kind"] == "process_exit" and restart["attempt"] == 1
+    assert losses(run_dir) == reference  # bit for bit, every step
+    recomputed = (step - 1) - restart["resume_step"]
+    start = next(e for e in events if e["event"] == "start" and e["attempt"] == 1)
+    recovered = next(e for e in events if e["event"] == "recovered")
+    print(
+        f"fault detected {fault['time'] - events[1]['time']:.1f} s after the start; restarted "
+        f"{start['time'] - fault['time']:.1f} s after detection; first new step after "
+        f"{recovered['time'] - fault['time']:.1f} s; {recomputed} steps recomputed"
+    )
+    assert 0 <= recomputed < EVERY
+
+
+def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):
+    hang_timeout, interval = 6.0, 0.5
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "hung",
+        "--resilience.nodes=1",
+        "--resilience.nproc_per_node=2",
+        "--resilience.inject=hang:rank=1:step=5",
+        f"--resilience.hang_timeout_s={hang_timeout}",
+        f"--resilience.store={redis_url}",
+        "--parallel.timeout_s=300",
+    )
+    events = read_events(run_dir)
+    fault = next(event for event in events if event["event"] == "fault")
+    assert fault["kind"] == "hang" and fault["last_step"] == 4
+    last_progress = max(record["time"] for record in _attempt_reports(run_dir, 0) if record["step"] == 4)
+    delay = fault["time"] - last_progress
+    print(
+        f"hang detected {delay:.1f} s after the last step (timeout {hang_timeout} s, heartbeat {interval} s)"
+    )
+    assert delay <= hang_timeout + interval + 1.0  # + one reading of the progress files
+    assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
+
+
+def _attempt_reports(run_dir, attempt):
+    import json
+
+    return [json.loads(path.read_text()) for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-*.json")]
+
+
+def test_nan_is_seen_by_every_rank_at_its_step_and_skipped(tiny_corpus, tmp_path):
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "nan",
+        "--resilience.nodes=1",
+        "--resilience.nproc_per_node=2",
+        "--resilience.inject=nan:step=3",
+        "--resilience.nan_policy=skip",
+    )
+    events = read_events(run_dir)
+    (nonfinite,) = [event for event in events if event["event"] == "nonfinite"]
+    assert nonfinite["step"] == 3 and nonfinite["ranks"] == [0, 1]
+    assert "fault" not in kinds(events) and kinds(events)[-1] == "done"
+    log = (run_dir / "train.log").read_text()
+    assert "step 3: non-finite gradient norm (nan); update skipped" in log
+
+
+@pytest.mark.slow
+def test_nan_rollback_restarts_from_the_checkpoint(tiny_corpus, tmp_path):
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "rollback",
+        "--resilience.nodes=1",
+        "--resilience.nproc_per_node=2",
+        "--resilience.inject=nan:step=6",
+        "--resilience.nan_policy=rollback",
+    )
+    events = read_events(run_dir)
+    fault = next(event for event in events if event["event"] == "fault")
+    assert fault["kind"] == "process_exit" and "status 1" in fault["detail"]
+    assert next(e for e in events if e["event"] == "restart")["resume_step"] == 4
+    assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
+
+
+@pytest.mark.slow
+def test_a_node_failing_diagnostics_is_evicted_and_replaced_by_a_spare(tiny_corpus, tmp_path):
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "evict",
+        "--resilience.nodes=2",
+        "--resilience.nproc_per_node=1",
+        "--resilience.spares=1",
+        "--resilience.inject=kill:rank=0:step=3,diagnose_fail:node=1",
+        "--parallel.dp_shard=2",
+    )
+    events = read_events(run_dir)
+    assert [e["node"] for e in events if e["event"] == "evict"] == ["node-1"]
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts[0]["nodes"] == ["node-0", "node-1"] and starts[1]["nodes"] == ["node-0", "node-2"]
+    assert read_blocklist(run_dir) == ["node-1"] and kinds(events)[-1] == "done"
+
+
+@pytest.mark.slow
+def test_a_corrupted_newest_checkpoint_falls_back_and_still_matches(reference, tiny_corpus, tmp_path):
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "corrupt",
+        "--resilience.nodes=2",
+        "--resilience.nproc_per_node=2",
+        "--resilience.inject=kill:rank=2:step=10,corrupt_checkpoint",
+        "--checkpoint.async_save=false",
+    )
+    events = read_events(run_dir)
+    assert next(e for e in events if e["event"] == "injected")["checkpoint"].endswith("step-00000008")
+    log = (run_dir / "train.log").read_text()
+    assert "step 8 at" in log and "failed verification" in log and "resumed from" in log
+    assert losses(run_dir) == reference
+    assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")][-1] == STEPS

@@ -1,0 +1,35 @@
+"""Fault-injection specs: parsing, first-attempt-only, and the per-rank hooks."""
+
+import math
+
+import pytest
+
+from megascale.resilience.inject import FaultInjector, active_faults, parse_faults
+
+
+def test_parse_and_filter_by_attempt():
+    faults = parse_faults("kill:rank=1:step=7, nan:step=3:attempt=1,corrupt_checkpoint")
+    assert [fault.kind for fault in faults] == ["kill", "nan", "corrupt_checkpoint"]
+    assert faults[0].params == {"rank": 1.0, "step": 7.0}
+    assert [fault.kind for fault in active_faults("kill:rank=1:step=7,nan:step=3:attempt=1", 1)] == ["nan"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("explode:step=1", "unknown fault 'explode'"),
+        ("kill:rank", "'rank' is not key=number"),
+        ("kill:step=x", "'step=x' is not key=number"),
+    ],
+)
+def test_bad_specs_are_named(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_faults(spec)
+
+
+def test_a_rank_takes_only_its_own_faults():
+    spec = "nan:step=3,slow:rank=1:factor=2"
+    assert math.isnan(FaultInjector(spec, rank=0, attempt=0).loss_scale(3))
+    assert FaultInjector(spec, rank=0, attempt=0).loss_scale(4) == 1.0
+    assert [fault.kind for fault in FaultInjector(spec, rank=1, attempt=0).faults] == ["nan", "slow"]
+    assert not FaultInjector(spec, rank=0, attempt=1)
