@@ -8,6 +8,7 @@ before the inputs have been checked.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -90,11 +91,13 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.observe.progress import make_console, setup_logging
     from megascale.parallel.dims import ParallelDims
     from megascale.resilience.driver import Driver
+    from megascale.resilience.inject import INJECT, check_spec
     from megascale.trainer import prepare_run_dir
 
     cfg = _load(args, extra)
     res = cfg.resilience
     ParallelDims.from_config(cfg, world_size=res.nodes * res.nproc_per_node)  # a bad layout fails here
+    check_spec(res.inject or os.environ.get(INJECT))
     run_dir = prepare_run_dir(cfg.training.run_dir)
     setup_logging(run_dir, make_console(), args.debug, filename="driver.log")
     return Driver(cfg, [*_config_argv(args), *extra], run_dir).run()

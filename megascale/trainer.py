@@ -141,6 +141,8 @@ class Trainer(Stateful):
             async_save=cfg.checkpoint.async_save,
             process_group=dims.checkpoint_group() if self.mesh is not None else None,
         )
+        self.checkpointer.recover_staged()
+        committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
         resume_from = self.checkpointer.latest_verified() if committed else None
         if committed and resume_from is None:
             raise CheckpointError(
@@ -201,7 +203,8 @@ class Trainer(Stateful):
         )
 
         self.step = 0
-        self._stop_signal: int | None = None
+        self._stop_signal: int | None = None  # asked of this process
+        self._stop_agreed = False  # decided by all ranks together
         if resume_from is not None:
             descriptor = self.checkpointer.load(resume_from, self.checkpoint_state())
             saved_layout = descriptor.get("layout", "1 process")
@@ -281,10 +284,10 @@ class Trainer(Stateful):
                     log.info(self._format(record))
                 progress.update(self.step, f"loss {metrics.loss:.4f}")
                 summary["loss"] = metrics.loss
-                if self._stop_signal is not None:
+                if self._stop_agreed:
                     log.info(
                         "received %s: saving a checkpoint, then exiting",
-                        signal.Signals(self._stop_signal).name,
+                        signal.Signals(self._stop_signal or signal.SIGTERM).name,
                     )
                     summary["interrupted"] = True
                     break
@@ -383,19 +386,22 @@ class Trainer(Stateful):
         """The job-wide mean of a per-data-parallel-rank value held on the last stage (and the same on
         every tensor-parallel rank): one all-reduce over all ranks, every rank getting the result.
 
-        With `agree_on_stop`, a stop signal seen by any rank is carried in the same all-reduce, so all
-        ranks leave the loop after the same step."""
+        With `agree_on_stop`, whether any rank has been asked to stop travels in the same all-reduce and
+        sets `_stop_agreed` alike on every rank: a signal that lands on one rank just after the all-reduce
+        is acted on a step later by all of them, never by that rank alone."""
+        asked = self._stop_signal is not None
         if self.mesh is None:
+            if agree_on_stop:
+                self._stop_agreed = asked
             return local
         holds = self.parallel_model.last_stage and self.mesh["tp"].get_local_rank() == 0
         share = (
             local.detach().float() / self.parallel_dims.dp if holds else torch.zeros((), device=self.device)
         )
-        stop = float(agree_on_stop and self._stop_signal is not None)
-        packed = torch.stack([share, torch.tensor(stop, device=self.device)])
+        packed = torch.stack([share, torch.tensor(float(agree_on_stop and asked), device=self.device)])
         dist.all_reduce(packed)
-        if agree_on_stop and packed[1].item() > 0 and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM  # another rank was asked to stop
+        if agree_on_stop:
+            self._stop_agreed = packed[1].item() > 0
         return packed[0]
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

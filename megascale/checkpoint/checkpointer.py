@@ -1,63 +1,62 @@
 """Two-stage checkpoints (paper §4.4) through torch.distributed.checkpoint (DCP), to any fsspec location.
 
-Stage 1 copies every rank's state to host memory (DCP's stager: pinned memory on CUDA, ordinary memory on
-CPU) and returns, so training goes on after a memory copy instead of a write. Stage 2 writes that copy in
-the background through DCP (a thread, on the checkpointer's own gloo group: its collectives must never
-interleave with training's on one group, ../shared/pytorch-on-cpu.md trap 1), and then rank 0 commits it
-by writing `manifest.json` last: the step, the config, the layout and every file's size and CRC-32.
+Stage 1 writes every rank's state with DCP into a node-local directory in memory (tmpfs), a copy at
+memory speed, and training goes on. Stage 2 (persist.py) copies each node's files to the final location
+in the background and commits the checkpoint by writing `manifest.json` last, with every file's size
+and CRC-32: a checkpoint without a manifest does not exist, so a crash at any moment leaves either the
+previous state or a complete new one. Under `megascale launch`, stage 2 runs in the node's executor, so
+a snapshot survives the crash of the training processes that took it.
 
-A checkpoint without a manifest does not exist, so a crash at any moment leaves either the previous state
-or a complete new one. Loading verifies the files against the manifest and falls back to the previous
-verified checkpoint, saying so. The newest `keep` committed checkpoints are kept; what is deleted is always
-older than the one just committed, so the newest verified checkpoint survives.
+Loading verifies files against the manifest and falls back to the previous verified checkpoint, saying
+so. The newest `keep` committed checkpoints are kept; the newest verified one is never deleted.
 
-DCP provides staging, the sharded format and resharding on load; what this module adds is the commit
-protocol, the checksums, retention, and verification with fallback.
+DCP provides the sharded format, the planning collectives and resharding on load; what this module adds
+is the staging in memory, the hand-over to stage 2, and verification with fallback.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
+import os
+import shutil
 import threading
 import time
+import uuid
 import warnings
-import zlib
-from concurrent.futures import Future
 from typing import Any
 
-import fsspec
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from megascale.checkpoint.manifest import (
+    MANIFEST,
+    commit,
+    join,
+    list_checkpoints,
+    prune,
+    read_manifest,
+    split_location,
+    step_dir_name,
+    verify,
+)
+from megascale.checkpoint.persist import PERSISTER, mark_ready, node_name, pending, persist, staging_root
 from megascale.errors import CheckpointError
+
+__all__ = [
+    "Checkpointer",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_manifest",
+    "verify",
+    "write_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
 # Single-process saves and loads run DCP without a process group, as intended; its warning says otherwise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-MANIFEST = "manifest.json"
-_STAGED_MANIFEST = f".{MANIFEST}.tmp"
-_NAME = re.compile(r"^step-(\d{8})$")
-_CHUNK = 8 << 20
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def _fs(location: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    return fsspec.core.url_to_fs(str(location))
-
-
-def _join(location: str, name: str) -> str:
-    return f"{str(location).rstrip('/')}/{name}"
 
 
 def _distributed() -> bool:
@@ -68,104 +67,28 @@ def _is_main() -> bool:
     return not _distributed() or dist.get_rank() == 0
 
 
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Committed checkpoints (those with a manifest) under `root`, oldest first, as (step, location)."""
-    fs, path = _fs(root)
-    if not fs.isdir(path):
-        return []
-    found = []
-    for entry in fs.ls(path, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        match = _NAME.match(name)
-        if match and fs.isfile(_join(entry, MANIFEST)):
-            found.append((int(match.group(1)), _join(str(root), name)))
-    return sorted(found)
-
-
-def read_manifest(location: str) -> dict[str, Any]:
-    """The step, config, layout and file list recorded in a committed checkpoint."""
-    fs, path = _fs(location)
-    if not fs.isdir(path):
-        raise CheckpointError(f"checkpoint: {location} does not exist or is not a directory")
-    try:
-        with fs.open(_join(path, MANIFEST), "r") as file:
-            return json.load(file)
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(
-            f"checkpoint: {location} has no readable {MANIFEST} ({err}); it is incomplete or not a "
-            "megascale checkpoint"
-        ) from None
-
-
-def _checksum(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
-    """(bytes, CRC-32) of one file, read in chunks."""
-    size, crc = 0, 0
-    with fs.open(path, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
-    return size, crc
-
-
-def _data_files(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
-    return sorted(name for name in names if name not in (MANIFEST, _STAGED_MANIFEST))
-
-
-def verify(location: str) -> str | None:
-    """None if every file of the checkpoint matches its manifest, else what is wrong, in a few words."""
-    try:
-        manifest = read_manifest(location)
-    except CheckpointError as err:
-        return str(err)
-    fs, path = _fs(location)
-    for name, expected in manifest.get("files", {}).items():
-        file = _join(path, name)
-        if not fs.isfile(file):
-            return f"file {name} is missing"
-        size, crc = _checksum(fs, file)
-        if size != expected["bytes"]:
-            return f"file {name} has {size} bytes, the manifest says {expected['bytes']}"
-        if crc != expected["crc32"]:
-            return f"file {name} fails its CRC-32 check"
-    return None
-
-
-def _commit(location: str, descriptor: dict[str, Any]) -> None:
-    """Write the manifest last, atomically where the filesystem can rename (local disks)."""
-    fs, path = _fs(location)
-    files = {}
-    for name in _data_files(fs, path):
-        size, crc = _checksum(fs, _join(path, name))
-        files[name] = {"bytes": size, "crc32": crc}
-    manifest = json.dumps({"saved_at": time.time(), **descriptor, "files": files}, indent=2)
-    if isinstance(fs, LocalFileSystem):
-        staged = _join(path, _STAGED_MANIFEST)
-        with fs.open(staged, "w") as file:
-            file.write(manifest)
-        fs.mv(staged, _join(path, MANIFEST))
-    else:  # an object store's single put is atomic
-        with fs.open(_join(path, MANIFEST), "w") as file:
-            file.write(manifest)
+def _is_node_main() -> bool:
+    """The first process on this node (torchrun's LOCAL_RANK 0), which hands the node's files to stage 2."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 if _distributed() else True
 
 
 def _writer(location: str):
-    fs, path = _fs(location)
+    fs, path = split_location(location)
     return dcp.FileSystemWriter(path) if isinstance(fs, LocalFileSystem) else FsspecWriter(location)
 
 
 def _reader(location: str):
-    fs, path = _fs(location)
+    fs, path = split_location(location)
     return dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) else FsspecReader(location)
 
 
 def write_checkpoint(location: str, state: dict[str, Any], descriptor: dict[str, Any]) -> str:
     """Write and commit a checkpoint in the foreground, by a single process (e.g. `megascale convert`)."""
-    fs, path = _fs(location)
-    if fs.exists(_join(path, MANIFEST)):
-        fs.rm(_join(path, MANIFEST))  # uncommit first: a crash below must not leave old files "verified"
+    fs, path = split_location(location)
+    if fs.exists(join(path, MANIFEST)):
+        fs.rm(join(path, MANIFEST))  # uncommit first: a crash below must not leave old files "verified"
     dcp.save(state, storage_writer=_writer(location), no_dist=True)
-    _commit(location, descriptor)
+    commit(location, descriptor)
     return location
 
 
@@ -186,7 +109,7 @@ class Checkpointer:
     """Saves, commits, prunes and finds checkpoints under `root`/step-NNNNNNNN (a path or fsspec URL).
 
     In a multi-process job every rank holds a Checkpointer and calls save/latest_verified together;
-    `process_group` is the group DCP's background saves use (one of their own, not the training group).
+    `process_group` is the group the saves' collectives use (one of their own, not the training group).
     """
 
     def __init__(
@@ -201,114 +124,108 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.process_group = process_group
-        self._pending: Future | None = None
-        self._pending_step: int | None = None
-        self._commit_thread: threading.Thread | None = None
-        self._commit_error: BaseException | None = None
+        self._stage_two: threading.Thread | None = None
+        self._stage_two_error: BaseException | None = None
+        self._stage_two_step: int | None = None
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], descriptor: dict[str, Any]) -> str:
-        """Stage 1 now (state copied to host memory); stage 2 and the commit in the background, or
-        before returning when async_save is off. Waits for the previous save first. Returns the location
-        the checkpoint will have once committed."""
+        """Stage 1 now; stage 2 and the commit in the background (or, with async_save off, in the
+        foreground). Waits for this process's previous stage 2 first. Returns the location the
+        checkpoint will have once committed."""
         self.wait()
-        location = _join(self.root, step_dir_name(step))
-        fs, path = _fs(location)
-        if _is_main():
-            if fs.exists(path):  # a re-save of the same step (e.g. after a resume): uncommit, then replace
-                fs.rm(path, recursive=True)
-            fs.makedirs(path, exist_ok=True)
-        self._barrier()
-        started = time.perf_counter()
+        location = join(self.root, step_dir_name(step))
         descriptor = {"step": step, **descriptor}
-        if self.async_save:
-            stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=torch.accelerator.is_available(),
-                    use_shared_memory=False,
-                    use_async_staging=False,  # stage 1 ends when the copy is complete
-                    use_non_blocking_copy=False,
-                )
-            )
-            self._pending = dcp.async_save(
-                state,
-                storage_writer=_writer(location),
-                process_group=self.process_group,
-                async_stager=stager,
-                no_dist=not _distributed(),
-            )
-        else:
+        started = time.perf_counter()
+        if not self.async_save:
             dcp.save(
                 state,
                 storage_writer=_writer(location),
                 process_group=self.process_group,
                 no_dist=not _distributed(),
             )
-        stall_s = time.perf_counter() - started
-        self._pending_step = step
-        if not self.async_save:
-            self._finish(location, descriptor, started)
+            if _is_main():
+                commit(location, descriptor)
+                prune(self.root, self.keep)
+                log.info(
+                    "checkpoint: saved step %d to %s in %.2f s", step, location, time.perf_counter() - started
+                )
+            self._barrier()
             return location
-        if _is_main():
-            self._commit_thread = threading.Thread(
-                target=self._commit_when_written,
-                args=(self._pending, location, descriptor, started),
-                name="megascale-checkpoint-commit",
-                daemon=False,
+
+        staged = staging_root(self.root) / step_dir_name(step)
+        if _is_node_main():
+            # One snapshot per node in host memory at a time: wait for the executor's stage 2 of the last.
+            while os.environ.get(PERSISTER) == "executor" and pending(staged.parent):
+                time.sleep(0.05)
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+        save_id = [uuid.uuid4().hex[:12]]
+        if _distributed():
+            self._barrier()  # every node's staging directory exists before anyone writes
+            dist.broadcast_object_list(save_id, src=0, group=self.process_group)
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(str(staged), sync_files=False),
+            process_group=self.process_group,
+            no_dist=not _distributed(),
+        )
+        if _is_node_main():
+            world = dist.get_world_size() if _distributed() else 1
+            nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            mark_ready(
+                staged,
+                final=location,
+                descriptor=descriptor,
+                keep=self.keep,
+                save_id=save_id[0],
+                nodes=nodes,
+                node=node_name(),
             )
-            self._commit_thread.start()
-        log.info("checkpoint: step %d staged in %.2f s; writing it in the background", step, stall_s)
+            if os.environ.get(PERSISTER) != "executor":
+                self._stage_two_step = step
+                self._stage_two = threading.Thread(
+                    target=self._persist, args=(staged,), name="megascale-checkpoint-stage-2"
+                )
+                self._stage_two.start()
+        log.info(
+            "checkpoint: step %d in host memory after %.2f s; persisting in the background",
+            step,
+            time.perf_counter() - started,
+        )
         return location
 
-    def wait(self) -> None:
-        """Block until the pending save is written and committed; re-raise what went wrong with it."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-        if self._commit_thread is not None:
-            self._commit_thread.join()
-            self._commit_thread = None
-        error, self._commit_error = self._commit_error, None
-        if error is not None:
-            raise CheckpointError(f"checkpoint: saving step {self._pending_step} failed: {error}") from error
-
-    def _commit_when_written(self, pending: Future, location: str, descriptor: dict, started: float) -> None:
+    def _persist(self, staged) -> None:
         try:
-            pending.result()
-            self._finish(location, descriptor, started)
-        except BaseException as err:  # noqa: BLE001 (reported by wait())
-            self._commit_error = err
+            persist(staged)
+        except BaseException as err:  # noqa: BLE001 (re-raised by wait())
+            self._stage_two_error = err
 
-    def _finish(self, location: str, descriptor: dict[str, Any], started: float) -> None:
-        """Rank 0 commits (manifest last) and prunes once every rank's files are written; DCP's
-        coordinator writes its metadata only after gathering all ranks' results, so when rank 0's write
-        completes, all have."""
-        if _is_main():
-            _commit(location, descriptor)
-            log.info(
-                "checkpoint: committed step %d to %s, %.2f s after it was taken",
-                descriptor["step"],
-                location,
-                time.perf_counter() - started,
-            )
-            self._prune()
-        if not self.async_save:
-            self._barrier()
+    def wait(self) -> None:
+        """Block until this process's stage 2 is done; re-raise what went wrong with it."""
+        if self._stage_two is not None:
+            self._stage_two.join()
+            self._stage_two = None
+        error, self._stage_two_error = self._stage_two_error, None
+        if error is not None:
+            raise CheckpointError(
+                f"checkpoint: saving step {self._stage_two_step} failed: {error}"
+            ) from error
 
-    def _prune(self) -> None:
-        """Delete committed checkpoints beyond the newest `keep`, and uncommitted leftovers (a crash in
-        stage 2) older than the newest committed one."""
-        committed = list_checkpoints(self.root)
-        fs, root = _fs(self.root)
-        for _, location in committed[: max(0, len(committed) - self.keep)]:
-            fs.rm(_fs(location)[1], recursive=True)
-        if not committed:
-            return
-        newest = committed[-1][0]
-        for entry in fs.ls(root, detail=False):
-            match = _NAME.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if match and int(match.group(1)) < newest and not fs.isfile(_join(entry, MANIFEST)):
-                fs.rm(entry, recursive=True)
+    def recover_staged(self) -> None:
+        """Persist snapshots a crashed predecessor left complete in this node's host memory, and drop
+        incomplete ones. Collective. (Under `megascale launch` the executor does this as they appear.)"""
+        root = staging_root(self.root)
+        if _is_node_main() and os.environ.get(PERSISTER) != "executor" and root.is_dir():
+            for staged in pending(root):
+                log.info("checkpoint: persisting %s, left in host memory by the previous run", staged.name)
+                try:
+                    persist(staged)
+                except Exception as err:  # noqa: BLE001 (a lost snapshot: the previous checkpoint serves)
+                    log.warning("checkpoint: could not persist %s (%s); it is dropped", staged.name, err)
+            for leftover in root.iterdir():
+                shutil.rmtree(leftover, ignore_errors=True)
+        self._barrier()
 
     # -- finding and loading --------------------------------------------------------------------------
     def latest(self) -> str | None:

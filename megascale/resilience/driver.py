@@ -29,7 +29,7 @@ from typing import Any
 
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
-from megascale.resilience.inject import active_faults
+from megascale.resilience.inject import INJECT, active_faults
 from megascale.resilience.store import ControlStore, open_store
 
 log = logging.getLogger("megascale.driver")
@@ -93,6 +93,7 @@ class Driver:
     def __init__(self, cfg: JobConfig, train_args: list[str], run_dir: Path):
         self.cfg = cfg
         self.res = cfg.resilience
+        self.inject = cfg.resilience.inject or os.environ.get(INJECT)
         self.train_args = train_args
         self.run_dir = run_dir
         self.job = uuid.uuid4().hex[:8]
@@ -225,6 +226,16 @@ class Driver:
                     {"suspect_ranks": suspects if len(suspects) < len(reports) else []},
                 )
 
+    def wait_for_snapshots(self, nodes: list[str], timeout_s: float = 600.0) -> None:
+        """Until every node's executor has persisted the snapshots its training processes left."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            time.sleep(self.res.heartbeat_interval_s)
+            now, beats = time.time(), [self._beat(node) for node in nodes]
+            live = [beat for beat in beats if beat and now - beat["time"] < self.res.heartbeat_timeout_s]
+            if not any(beat.get("snapshots_pending") for beat in live):  # a dead executor persists nothing
+                return
+
     def stop_nodes(self, nodes: list[str], action: str = "stop") -> None:
         for node in nodes:
             self._command(node, action)
@@ -239,7 +250,7 @@ class Driver:
         """Run the self-check on `nodes`; returns those that failed it (or never answered)."""
         seq_before = self.seq
         for node in nodes:
-            self._command(node, "diagnose", attempt=attempt, inject=self.res.inject)
+            self._command(node, "diagnose", attempt=attempt, inject=self.inject)
         failed, deadline = [], time.time() + self.res.diagnose_timeout_s
         pending = set(nodes)
         while pending and time.time() < deadline:
@@ -300,9 +311,11 @@ class Driver:
             fault = self.watch(nodes, attempt, resume_step)
             if self.stop_requested:
                 self.stop_nodes(nodes, "terminate")
+                self.wait_for_snapshots(nodes)
                 self.events.write("stopped", attempt=attempt, reason="signal")
                 return 0
             if fault is None:
+                self.wait_for_snapshots(nodes)
                 self.events.write("done", attempt=attempt)
                 return 0
             self.events.write(
@@ -315,6 +328,7 @@ class Driver:
                 **fault.extra,
             )
             self.stop_nodes(nodes)
+            self.wait_for_snapshots(nodes)  # the snapshot taken before the fault, if any, is kept
             self.events.write("stopped", attempt=attempt, nodes=nodes)
             if self.res.diagnose:
                 for node in self.diagnose(nodes, attempt):
@@ -330,16 +344,17 @@ class Driver:
             self.events.write("restart", attempt=attempt, resume_step=resume_step)
 
     def _newest_checkpoint_step(self, attempt: int) -> int:
-        from megascale.checkpoint.checkpointer import list_checkpoints
+        from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, read_manifest
 
         root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
         checkpoints = list_checkpoints(root)
         if checkpoints and any(
-            f.kind == "corrupt_checkpoint" for f in active_faults(self.res.inject, attempt - 1)
+            f.kind == "corrupt_checkpoint" for f in active_faults(self.inject, attempt - 1)
         ):
             _corrupt(checkpoints[-1][1])
             self.events.write("injected", kind="corrupt_checkpoint", checkpoint=checkpoints[-1][1])
-        return checkpoints[-1][0] if checkpoints else 0
+        newest = Checkpointer(root, keep=1).latest_verified()  # what the trainer will resume from
+        return read_manifest(newest)["step"] if newest else 0
 
     def _layout_fits(self, nodes: int) -> bool:
         from megascale.parallel.dims import ParallelDims

@@ -13,20 +13,23 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister
 from megascale.resilience.client import HEARTBEAT_DIR, read_progress
 from megascale.resilience.inject import ATTEMPT
 from megascale.resilience.store import open_store
 
 ERROR_KEYWORDS = re.compile(
-    r"Traceback|Error|NCCL|[Gg]loo|CUDA error|Segmentation fault|core dumped|Killed|exitcode", re.ASCII
+    r"traceback|error|nccl|gloo|segmentation fault|core dumped|killed|exitcode", re.ASCII | re.IGNORECASE
 )
 MAX_ERROR_LINES = 20
 
@@ -46,6 +49,12 @@ class Executor:
         self.errors: list[str] = []
         self.seen_command = -1
         self.diagnosis: dict[str, Any] | None = None
+        # Stage 2 of this node's checkpoints runs here, so it outlives the training processes.
+        self.staging_dir = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm")
+        self.staging_dir = self.staging_dir / f"megascale-{job}" / node
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.persister = Persister(self.staging_dir)
+        self.persister.start()
 
     # -- commands -------------------------------------------------------------------------------------
     def start(self, command: dict[str, Any]) -> None:
@@ -57,7 +66,13 @@ class Executor:
         self.log_offset, self.errors = 0, []
         env = dict(
             os.environ,
-            **{HEARTBEAT_DIR: str(progress_dir), ATTEMPT: str(self.attempt)},
+            **{
+                HEARTBEAT_DIR: str(progress_dir),
+                ATTEMPT: str(self.attempt),
+                STAGING_DIR: str(self.staging_dir),
+                PERSISTER: "executor",
+                NODE: self.node,
+            },
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
             OMP_NUM_THREADS=str(command.get("threads", 1)),
         )
@@ -118,7 +133,8 @@ class Executor:
             "pid": self.proc.pid if self.proc else None,
             "workers": _children_alive(self.proc.pid) if state == "running" else [],
             "progress": {str(rank): report for rank, report in progress.items()},
-            "errors": self.errors[-MAX_ERROR_LINES:],
+            "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
+            "snapshots_pending": self.persister.busy(),
         }
         self.store.put(f"hb/{self.node}", beat)
         return beat
@@ -154,6 +170,7 @@ class Executor:
                 elif action == "exit":
                     self.stop()
                     self.heartbeat()
+                    shutil.rmtree(self.staging_dir, ignore_errors=True)
                     return
             self.heartbeat()
             time.sleep(self.interval_s)

@@ -19,6 +19,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from megascale.errors import ConfigError
+
 INJECT = "MEGASCALE_INJECT"
 ATTEMPT = "MEGASCALE_ATTEMPT"
 KINDS = {"kill", "hang", "nan", "slow", "diagnose_fail", "corrupt_checkpoint"}
@@ -53,6 +55,14 @@ def parse_faults(spec: str | None) -> list[Fault]:
     return faults
 
 
+def check_spec(spec: str | None) -> None:
+    """Refuse a malformed spec up front, as a config error naming the field."""
+    try:
+        parse_faults(spec)
+    except ValueError as err:
+        raise ConfigError(f"config: resilience.inject = {spec!r}: {err}") from None
+
+
 def active_faults(spec: str | None, attempt: int) -> list[Fault]:
     return [fault for fault in parse_faults(spec) if int(fault.get("attempt", 0)) == attempt]
 
@@ -63,6 +73,7 @@ class FaultInjector:
     def __init__(self, spec: str | None, rank: int, attempt: int | None = None):
         attempt = int(os.environ.get(ATTEMPT, "0")) if attempt is None else attempt
         spec = spec if spec is not None else os.environ.get(INJECT)
+        check_spec(spec)
         self.faults = [
             fault
             for fault in active_faults(spec, attempt)

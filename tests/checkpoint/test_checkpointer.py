@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from megascale.checkpoint import checkpointer as ckpt
+from megascale.checkpoint import persist as persist_module
 from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, read_manifest, verify
 from megascale.checkpoint.stateful import ModelState
 from megascale.errors import CheckpointError
@@ -63,10 +64,10 @@ def test_a_save_that_dies_in_stage_two_is_invisible_and_cleaned_up_later(tmp_pat
     saver.save(1, state, {})
     saver.wait()
 
-    def die(location, descriptor):
+    def die(*args):
         raise OSError("disk vanished")
 
-    monkeypatch.setattr(ckpt, "_commit", die)
+    monkeypatch.setattr(persist_module, "commit", die)
     saver.save(2, state, {})
     with pytest.raises(CheckpointError, match="saving step 2 failed: disk vanished"):
         saver.wait()

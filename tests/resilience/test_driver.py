@@ -1,6 +1,7 @@
 """`megascale launch` end to end: real executors, torchrun and workers; faults injected, detected from
 heartbeats, diagnosed, evicted and recovered from, with the events log as the record."""
 
+import os
 import random
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def reference(tiny_corpus, tmp_path_factory):
 
 def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, tiny_corpus, tmp_path):
     choice = random.Random()
-    rank, step = choice.randrange(4), choice.randrange(2, STEPS)
+    # KILL_STEP=S replays a printed choice (S = EVERY + 1 kills just after a snapshot: stage 2 runs on).
+    rank, step = choice.randrange(4), int(os.environ.get("KILL_STEP", choice.randrange(2, STEPS)))
     print(f"killing rank {rank} at step {step}")
     run_dir = run(
         "launch",
@@ -61,7 +63,6 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
         "--resilience.nodes=2",
         "--resilience.nproc_per_node=2",
         f"--resilience.inject=kill:rank={rank}:step={step}",
-        "--checkpoint.async_save=false",
     )
     events = read_events(run_dir)
     assert kinds(events)[:2] == ["driver", "start"] and kinds(events)[-1] == "done"

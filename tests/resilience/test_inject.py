@@ -33,3 +33,26 @@ def test_a_rank_takes_only_its_own_faults():
     assert FaultInjector(spec, rank=0, attempt=0).loss_scale(4) == 1.0
     assert [fault.kind for fault in FaultInjector(spec, rank=1, attempt=0).faults] == ["nan", "slow"]
     assert not FaultInjector(spec, rank=0, attempt=1)
+
+
+def test_a_bad_spec_is_a_config_error_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "launch",
+            "--resilience.inject=kill:rank",
+            f"--training.run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: config: resilience.inject = 'kill:rank': fault 'kill:rank': 'rank' is not key=number"
+    )

@@ -1,0 +1,145 @@
+"""Stage 2 of a checkpoint: move a snapshot from host memory to its final location, then commit it.
+
+Stage 1 (checkpointer.py) leaves every node's share of the state in a node-local directory in memory
+(tmpfs, /dev/shm) with a READY.json saying where it goes. `persist` copies a node's files to the final
+location (a path or fsspec URL), checksumming as it copies, and leaves a marker listing them; the node
+holding DCP's `.metadata` (the coordinator's) waits for every node's marker and commits the manifest.
+
+It runs in a thread of the training process, or, under `megascale launch`, in the node's executor
+(MEGASCALE_PERSISTER=executor). The executor outlives the training processes, so a snapshot taken just
+before a crash is still persisted and the restart loses no more than the steps since that snapshot
+(paper §4.4: "a background process takes over").
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from megascale.checkpoint.manifest import CHUNK, MANIFEST, commit, join, prune, split_location
+
+log = logging.getLogger(__name__)
+
+READY = "READY.json"
+STAGING_DIR = "MEGASCALE_STAGING_DIR"
+PERSISTER = "MEGASCALE_PERSISTER"
+NODE = "MEGASCALE_NODE"
+
+
+def staging_root(final_root: str) -> Path:
+    """This node's in-memory staging directory for checkpoints bound for `final_root`."""
+    if os.environ.get(STAGING_DIR):
+        return Path(os.environ[STAGING_DIR])
+    memory = Path("/dev/shm")
+    base = memory if memory.is_dir() and os.access(memory, os.W_OK) else Path(tempfile.gettempdir())
+    digest = hashlib.sha1(str(final_root).encode()).hexdigest()[:12]
+    return base / f"megascale-{getpass.getuser()}" / digest
+
+
+def node_name() -> str:
+    return os.environ.get(NODE) or socket.gethostname()
+
+
+def mark_ready(staged: Path, **ready: Any) -> None:
+    """Hand a complete snapshot to stage 2: final, descriptor, keep, nodes, save_id, node (the name of
+    the node that took it; stage 2 may run in another process, which need not know it)."""
+    temporary = staged / f".{READY}.tmp"
+    temporary.write_text(json.dumps(ready))
+    os.replace(temporary, staged / READY)
+
+
+def pending(root: Path) -> list[Path]:
+    """Snapshots in `root` waiting for stage 2, oldest step first."""
+    return sorted(path.parent for path in root.glob(f"*/{READY}")) if root.is_dir() else []
+
+
+def persist(staged: Path, marker_timeout_s: float = 600.0) -> str:
+    """Copy this node's files of one snapshot to its final location; commit if this node coordinates.
+    The snapshot leaves host memory either way: a failed one is not retried (the next one is due)."""
+    try:
+        return _persist(staged, marker_timeout_s)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _persist(staged: Path, marker_timeout_s: float) -> str:
+    ready = json.loads((staged / READY).read_text())
+    final, save_id = ready["final"], ready["save_id"]
+    fs, path = split_location(final)
+    fs.makedirs(path, exist_ok=True)
+    if fs.exists(join(path, MANIFEST)):  # a re-save of a committed step: uncommit before overwriting
+        fs.rm(join(path, MANIFEST))
+    files = {}
+    for source in sorted(staged.iterdir()):
+        if source.name in (READY, f".{READY}.tmp"):
+            continue
+        size, crc = 0, 0
+        with open(source, "rb") as reader, fs.open(join(path, source.name), "wb") as writer:
+            while chunk := reader.read(CHUNK):
+                writer.write(chunk)
+                size, crc = size + len(chunk), zlib.crc32(chunk, crc)
+        files[source.name] = {"bytes": size, "crc32": crc}
+    with fs.open(join(path, f".node-{save_id}-{ready['node']}.json"), "w") as marker:
+        marker.write(json.dumps(files))
+    if (staged / ".metadata").exists():
+        _commit_when_all_nodes_are_in(final, ready, marker_timeout_s)
+    return final
+
+
+def _commit_when_all_nodes_are_in(final: str, ready: dict[str, Any], timeout_s: float) -> None:
+    fs, path = split_location(final)
+    prefix = f".node-{ready['save_id']}-"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        markers = [
+            entry for entry in fs.ls(path, detail=False) if entry.rsplit("/", 1)[-1].startswith(prefix)
+        ]
+        if len(markers) >= ready["nodes"]:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(markers)} of {ready['nodes']} nodes persisted {final}; not committed")
+        time.sleep(0.1)
+    files = {}
+    for marker in markers:
+        with fs.open(marker, "r") as file:
+            files.update(json.load(file))
+    commit(final, ready["descriptor"], files)
+    for entry in fs.ls(path, detail=False):
+        if entry.rsplit("/", 1)[-1].startswith(".node-"):
+            fs.rm(entry)
+    log.info("checkpoint: committed step %d to %s", ready["descriptor"]["step"], final)
+    prune(final.rstrip("/").rsplit("/", 1)[0], ready["keep"])
+
+
+class Persister(threading.Thread):
+    """Persists every snapshot that appears under a staging root, in step order (the executor's)."""
+
+    def __init__(self, root: Path, interval_s: float = 0.2):
+        super().__init__(name="megascale-persister", daemon=True)
+        self.root = root
+        self.interval_s = interval_s
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        while True:
+            for staged in pending(self.root):
+                try:
+                    persist(staged)
+                except Exception as err:  # noqa: BLE001 (reported in the heartbeat)
+                    self.errors.append(f"persisting {staged.name}: {err}")
+                    log.error("checkpoint: persisting %s failed: %s", staged, err)
+            time.sleep(self.interval_s)
+
+    def busy(self) -> int:
+        return len(pending(self.root))

@@ -1,0 +1,32 @@
+"""A stop signal reaching one rank just after a step's all-reduce: every rank must still stop after the
+same step (before the fix, that rank alone left the loop and the others waited in the next collective)."""
+
+from megascale.config import load_config
+from megascale.trainer import Trainer
+from tests.conftest import tiny_args
+from tests.parallel.multiprocess import run_ranks
+
+
+def train_with_late_signal(rank, world_size, corpus, run_dir, data_dir):
+    cfg = load_config(
+        None, tiny_args(corpus, run_dir, data_dir, "--parallel.dp_shard=2", "--training.steps=8")
+    )
+    trainer = Trainer(cfg)
+    step_once = trainer.train_step
+
+    def step_then_signal():
+        metrics = step_once()
+        if rank == 1 and trainer.step == 2:  # the all-reduce of step 3 is behind us: too late to carry it
+            trainer._stop_signal = 15
+        return metrics
+
+    trainer.train_step = step_then_signal
+    summary = trainer.train()
+    return summary["step"], summary["interrupted"]
+
+
+def test_a_signal_after_the_all_reduce_stops_every_rank_one_step_later(tiny_corpus, tmp_path):
+    results = run_ranks(
+        train_with_late_signal, 2, tiny_corpus, tmp_path / "run", tmp_path / "data", timeout_s=90
+    )
+    assert results == [(4, True), (4, True)]
