@@ -83,6 +83,22 @@ class Fault:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _nonfinite_steps(reports: dict[str, dict[str, Any]], ranks: int) -> dict[int, list[int]]:
+    """Non-finite steps that every one of `ranks` has got past, each with the ranks that saw it.
+
+    Waiting until all have reported past it makes the list of ranks complete (reports are sticky:
+    `last_nonfinite_step` stays in every later report of a rank)."""
+    if len(reports) < ranks:
+        return {}
+    oldest = min(report["step"] for report in reports.values())
+    seen: dict[int, list[int]] = {}
+    for rank, report in reports.items():
+        step = report.get("last_nonfinite_step")
+        if step is not None and step <= oldest:
+            seen.setdefault(step, []).append(int(rank))
+    return {step: sorted(found) for step, found in seen.items()}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -190,25 +206,11 @@ class Driver:
                 return None
             reports = {rank: report for beat in current.values() for rank, report in beat["progress"].items()}
             steps = [report["step"] for report in reports.values()]
-            for report in reports.values():
-                bad_step = report.get("last_nonfinite_step")
-                every_rank_past_it = (
-                    len(reports) == len(nodes) * res.nproc_per_node
-                    and all(other["step"] >= bad_step for other in reports.values())
-                    if bad_step is not None
-                    else False
-                )
-                if every_rank_past_it and bad_step not in reported_nonfinite:
+            for bad_step, ranks in _nonfinite_steps(reports, len(nodes) * res.nproc_per_node).items():
+                if bad_step not in reported_nonfinite:
                     reported_nonfinite.add(bad_step)
-                    ranks = sorted(
-                        int(r) for r, rep in reports.items() if rep.get("last_nonfinite_step") == bad_step
-                    )
                     self.events.write(
-                        "nonfinite",
-                        attempt=attempt,
-                        step=bad_step,
-                        ranks=ranks,
-                        policy=self.cfg.resilience.nan_policy,
+                        "nonfinite", attempt=attempt, step=bad_step, ranks=ranks, policy=res.nan_policy
                     )
             if steps and max(steps) != last_step:
                 last_step, last_change = max(steps), now
