@@ -72,6 +72,12 @@ def _is_node_main() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 if _distributed() else True
 
 
+def write_threads() -> int:
+    """Threads each rank writes its shards with: this node's cores shared among its processes (at most 8)."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, (os.cpu_count() or 1) // local_processes))
+
+
 def _writer(location: str):
     fs, path = split_location(location)
     return dcp.FileSystemWriter(path) if isinstance(fs, LocalFileSystem) else FsspecWriter(location)
@@ -166,7 +172,7 @@ class Checkpointer:
             dist.broadcast_object_list(save_id, src=0, group=self.process_group)
         dcp.save(
             state,
-            storage_writer=dcp.FileSystemWriter(str(staged), sync_files=False),
+            storage_writer=dcp.FileSystemWriter(str(staged), sync_files=False, thread_count=write_threads()),
             process_group=self.process_group,
             no_dist=not _distributed(),
         )
