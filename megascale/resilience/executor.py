@@ -103,10 +103,13 @@ class Executor:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and every worker it started
-            except ProcessLookupError:
-                pass
+            # torchrun's session, and each worker's own: torchrun starts workers as session leaders, so a
+            # hung worker would outlive its torchrun's group.
+            for group in [self.proc.pid, *_children_alive(self.proc.pid)]:
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait()
 
     def diagnose(self, command: dict[str, Any]) -> None:

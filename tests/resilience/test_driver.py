@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -105,6 +106,19 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
     )
     assert delay <= hang_timeout + interval + 1.0  # + one reading of the progress files
     assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
+    assert not _processes_of(run_dir), "the hung worker outlived the job"
+
+
+def _processes_of(run_dir):
+    """Live processes whose command line names `run_dir` (ours: the test started them)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(run_dir).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 def _attempt_reports(run_dir, attempt):
