@@ -11,6 +11,7 @@ import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints, read_manifest
 from megascale.observe.metrics import read_metrics
+from megascale.resilience.executor import children_alive
 from tests.conftest import tiny_args
 
 
@@ -68,18 +69,6 @@ def test_a_worker_error_is_reported_once_with_its_exit_status(tiny_corpus, tmp_p
     assert "error: rank 0 of 2 exited with status 2" in result.stderr
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _rank_of(pid: int) -> int | None:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     ranks = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"RANK=")]
@@ -117,7 +106,7 @@ def test_sigterm_saves_a_checkpoint_on_every_rank_at_the_same_step(tiny_corpus, 
         if target == "launcher":
             job.send_signal(signal.SIGTERM)
         else:  # the other rank learns of it in the next step's all-reduce
-            (worker,) = [pid for pid in _children(job.pid) if _rank_of(pid) == 1]
+            (worker,) = [pid for pid in children_alive(job.pid) if _rank_of(pid) == 1]
             os.kill(worker, signal.SIGTERM)
         _, stderr = job.communicate(timeout=120)
     finally:

@@ -105,7 +105,7 @@ class Executor:
         if self.proc is not None and self.proc.poll() is None:
             # torchrun's session, and each worker's own: torchrun starts workers as session leaders, so a
             # hung worker would outlive its torchrun's group.
-            for group in [self.proc.pid, *_children_alive(self.proc.pid)]:
+            for group in [self.proc.pid, *children_alive(self.proc.pid)]:
                 try:
                     os.killpg(group, signal.SIGKILL)
                 except ProcessLookupError:
@@ -134,7 +134,7 @@ class Executor:
             "state": state,
             "exit_code": exit_code,
             "pid": self.proc.pid if self.proc else None,
-            "workers": _children_alive(self.proc.pid) if state == "running" else [],
+            "workers": children_alive(self.proc.pid) if state == "running" else [],
             "progress": {str(rank): report for rank, report in progress.items()},
             "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
             "snapshots_pending": self.persister.busy(),
@@ -179,7 +179,7 @@ class Executor:
             time.sleep(self.interval_s)
 
 
-def _children_alive(pid: int) -> list[int]:
+def children_alive(pid: int) -> list[int]:
     """Live child processes of `pid` (torchrun's workers), from /proc."""
     alive = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
