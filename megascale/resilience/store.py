@@ -35,7 +35,11 @@ class TorchStore:
         self.url = f"tcp://{address}:{self._store.port}"
 
     def put(self, key: str, value: Any) -> None:
+        # TCPStore's set is fire-and-forget: the server may answer another client's get before it applies
+        # this set. A request with a reply on the same connection is served after it, so once `check`
+        # returns, every client reads the new value.
         self._store.set(key, json.dumps(value))
+        self._store.check([key])
 
     def fetch(self, key: str) -> Any | None:
         if not self._store.check([key]):

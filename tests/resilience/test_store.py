@@ -25,6 +25,13 @@ def test_values_travel_between_clients(store_pair):
     assert writer.fetch("hb/node-0") is None
 
 
+def test_a_put_is_visible_to_other_clients_as_soon_as_it_returns(store_pair):
+    # TCPStore's set has no reply; without a round trip after it, ~10% of these reads missed the value.
+    writer, reader = store_pair
+    misses = [i for i in range(2000) if writer.put(f"k{i}", i) or reader.fetch(f"k{i}") is None]
+    assert misses == []
+
+
 def test_jobs_sharing_a_redis_server_do_not_see_each_other(redis_url):
     first, second = open_store(redis_url, job="a"), open_store(redis_url, job="b")
     first.put("cmd/node-0", {"action": "start"})
