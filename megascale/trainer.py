@@ -141,16 +141,6 @@ class Trainer(Stateful):
             async_save=cfg.checkpoint.async_save,
             process_group=dims.checkpoint_group() if self.mesh is not None else None,
         )
-        self.checkpointer.recover_staged()
-        committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
-        resume_from = self.checkpointer.latest_verified() if committed else None
-        if committed and resume_from is None:
-            raise CheckpointError(
-                f"checkpoint: every checkpoint under {checkpoint_root} failed verification (see the warnings "
-                "above); move them away, or start afresh with --checkpoint.resume=false"
-            )
-        if resume_from is not None:
-            check_model_matches(resume_from, read_manifest(resume_from), cfg.model)
         self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
         self.grad_accum_steps = training.global_batch_size // dims.dp // training.micro_batch_size
         self.tokens_per_step = training.global_batch_size * cfg.data.seq_len
@@ -205,8 +195,19 @@ class Trainer(Stateful):
         self.step = 0
         self._stop_signal: int | None = None  # asked of this process
         self._stop_agreed = False  # decided by all ranks together
+        # What a crashed predecessor left in memory is persisted first, so it can be resumed from.
+        self.checkpointer.recover_staged(self.checkpoint_state())
+        committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
+        resume_from = self.checkpointer.latest_verified() if committed else None
+        if committed and resume_from is None:
+            raise CheckpointError(
+                f"checkpoint: every checkpoint under {checkpoint_root} failed verification (see the warnings "
+                "above); move them away, or start afresh with --checkpoint.resume=false"
+            )
         if resume_from is not None:
-            descriptor = self.checkpointer.load(resume_from, self.checkpoint_state())
+            check_model_matches(resume_from, read_manifest(resume_from), cfg.model)
+            replicas = dims.replica_group(self.mesh) if self.mesh is not None else None
+            descriptor = self.checkpointer.load(resume_from, self.checkpoint_state(), replicas=replicas)
             saved_layout = descriptor.get("layout", "1 process")
             log.info(
                 "resumed from %s at step %d%s",
@@ -219,6 +220,9 @@ class Trainer(Stateful):
         elif init_from is not None:
             load_model_weights(init_from, self.model_parts)
             log.info("initialised the model from %s", init_from)
+        self.resumed_from = self.step  # reported to the driver, which logs where a restart took up
+        if cfg.checkpoint.enabled:
+            self.checkpointer.prepare(self.checkpoint_state())
 
     @property
     def model(self) -> nn.Module:
@@ -275,6 +279,7 @@ class Trainer(Stateful):
                     grad_norm=metrics.grad_norm,
                     step_time_s=metrics.step_time_s,
                     last_nonfinite_step=self._last_nonfinite_step,  # sticky: the driver reads now and then
+                    resumed_from=self.resumed_from,
                 )
                 last = self.step == training.steps
                 if (self.step % training.val_every == 0 or last) and self.val_loader.num_sequences:
@@ -295,7 +300,7 @@ class Trainer(Stateful):
                     self.save_checkpoint()
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
-        self.checkpointer.wait()  # nothing in flight when train() returns
+        self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
         return summary

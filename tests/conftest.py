@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny text corpus and a tiny job config that trains in seconds on CPU."""
 
+import logging
 import os
 import random
 
@@ -33,6 +34,26 @@ TINY = [
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep calibration and dataset caches out of the user's home."""
     monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_staging(tmp_path, monkeypatch):
+    """Checkpoint snapshots and staging go under the test's directory, not the machine's /dev/shm, so a
+    test that stops short (as a crash would) leaves nothing in memory behind it."""
+    monkeypatch.setenv("MEGASCALE_STAGING_DIR", str(tmp_path / "staging"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_logging():
+    """A Trainer built in one test sets up megascale's logger (its own handlers, no propagation); put it
+    back afterwards so the next test's caplog sees records and no file handler outlives its run."""
+    logger = logging.getLogger("megascale")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    for handler in logger.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    logger.handlers[:], logger.propagate, logger.level = saved
 
 
 @pytest.fixture(scope="session")

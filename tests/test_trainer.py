@@ -188,3 +188,12 @@ def test_when_every_checkpoint_is_damaged_the_run_refuses_to_start(tiny_config, 
     _corrupt_newest(tmp_path / "run")
     with pytest.raises(CheckpointError, match="every checkpoint under .* failed verification"):
         Trainer(tiny_config())
+
+
+def test_checkpointing_does_not_change_the_training(tiny_config, tmp_path):
+    # Taking a fresh optimizer's state dict used to step it once (DCP initialises lazy state that way),
+    # which shifted Adam's bias correction and so every loss after the first.
+    plain = tiny_config("--checkpoint.enabled=false", run_dir=tmp_path / "plain")
+    Trainer(plain).train()
+    Trainer(tiny_config(run_dir=tmp_path / "checkpointed")).train()
+    assert losses_by_step(tmp_path / "checkpointed") == losses_by_step(tmp_path / "plain")

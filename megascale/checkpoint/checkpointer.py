@@ -1,11 +1,12 @@
 """Two-stage checkpoints (paper §4.4) through torch.distributed.checkpoint (DCP), to any fsspec location.
 
-Stage 1 writes every rank's state with DCP into a node-local directory in memory (tmpfs), a copy at
-memory speed, and training goes on. Stage 2 (persist.py) copies each node's files to the final location
-in the background and commits the checkpoint by writing `manifest.json` last, with every file's size
-and CRC-32: a checkpoint without a manifest does not exist, so a crash at any moment leaves either the
-previous state or a complete new one. Under `megascale launch`, stage 2 runs in the node's executor, so
-a snapshot survives the crash of the training processes that took it.
+Stage 1 copies every rank's state into a buffer in the node's memory (snapshot.py), and training goes on.
+In the background, DCP serialises that copy into a node-local directory in memory (tmpfs), and stage 2
+(persist.py) copies each node's files to the final location and commits the checkpoint by writing
+`manifest.json` last, with every file's size and CRC-32: a checkpoint without a manifest does not exist,
+so a crash at any moment leaves either the previous state or a complete new one. Under `megascale
+launch`, stage 2 runs in the node's executor, so a snapshot survives the crash of the training processes
+that took it; one still only in the buffers is written by the restarted processes (`recover_staged`).
 
 Loading verifies files against the manifest and falls back to the previous verified checkpoint, saying
 so. The newest `keep` committed checkpoints are kept; the newest verified one is never deleted.
@@ -25,10 +26,13 @@ import uuid
 import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from megascale.checkpoint.manifest import (
     MANIFEST,
@@ -42,6 +46,7 @@ from megascale.checkpoint.manifest import (
     verify,
 )
 from megascale.checkpoint.persist import PERSISTER, mark_ready, node_name, pending, persist, staging_root
+from megascale.checkpoint.snapshot import SnapshotBuffer, flatten, rebuild, split_leaves
 from megascale.errors import CheckpointError
 
 __all__ = [
@@ -54,6 +59,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+SNAPSHOTS = "snapshots"  # the ranks' stage-1 buffers, in the node's staging directory
 
 # Single-process saves and loads run DCP without a process group, as intended; its warning says otherwise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -83,9 +90,29 @@ def _writer(location: str):
     return dcp.FileSystemWriter(path) if isinstance(fs, LocalFileSystem) else FsspecWriter(location)
 
 
-def _reader(location: str):
+class _Counting:
+    """Counts the bytes a DCP reader takes from storage (the sum of the stored items it reads)."""
+
+    bytes_read = 0
+
+    def read_data(self, plan, planner):
+        self.bytes_read += sum(self.storage_data[item.storage_index].length for item in plan.items)
+        return super().read_data(plan, planner)
+
+
+class _CountingFileSystemReader(_Counting, dcp.FileSystemReader):
+    pass
+
+
+class _CountingFsspecReader(_Counting, FsspecReader):
+    pass
+
+
+def _reader(location: str) -> _Counting:
     fs, path = split_location(location)
-    return dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) else FsspecReader(location)
+    if isinstance(fs, LocalFileSystem):
+        return _CountingFileSystemReader(path)
+    return _CountingFsspecReader(location)
 
 
 def write_checkpoint(location: str, state: dict[str, Any], descriptor: dict[str, Any]) -> str:
@@ -98,17 +125,58 @@ def write_checkpoint(location: str, state: dict[str, Any], descriptor: dict[str,
     return location
 
 
-def load_checkpoint(location: str, state: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(
+    location: str, state: dict[str, Any], *, replicas: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
     """Load `location` into `state` in place (Stateful values get load_state_dict); returns its manifest.
 
-    Collective over the default process group when there is one: every rank reads what its shards need."""
+    Collective over the default process group when there is one: every rank reads what its shards need.
+    With `replicas`, the group of this rank's replicas (ranks holding identical state: the DP replicas),
+    only the group's first rank reads and broadcasts to the others (paper §4.4), so storage serves each
+    byte once per group rather than once per replica."""
+    return _load(location, state, replicas)[0]
+
+
+def _load(
+    location: str, state: dict[str, Any], replicas: dist.ProcessGroup | None
+) -> tuple[dict[str, Any], int]:
+    """The manifest, and the bytes this rank read from storage."""
     manifest = read_manifest(location)
+    reader = _reader(location)
+    broadcast = replicas is not None and dist.get_world_size(replicas) > 1
+    source = dist.get_global_rank(replicas, 0) if broadcast else None
     try:
-        dcp.load(state, storage_reader=_reader(location), no_dist=not _distributed())
+        # DCP's planning is collective over every rank; a rank with nothing to load reads nothing.
+        mine = state if not broadcast or dist.get_rank() == source else {}
+        dcp.load(mine, storage_reader=reader, no_dist=not _distributed())
     except Exception as err:  # DCP wraps storage and shape problems in several exception types
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"checkpoint: cannot load {location}: {first_line}") from err
-    return manifest
+    if broadcast:
+        _broadcast_state(state, source, replicas)
+    return manifest, reader.bytes_read
+
+
+def _broadcast_state(state: dict[str, Any], source: int, group: dist.ProcessGroup) -> None:
+    """Make every rank of `group` hold `source`'s state: its tensors, then its other values."""
+    tree = flatten(state)  # on the source, what it just loaded; elsewhere, tensors to receive into
+    tensors, objects = split_leaves(tree)
+    for tensor in tensors.values():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        staging = local if local.is_contiguous() else local.contiguous()
+        dist.broadcast(staging, src=source, group=group)
+        if staging is not local:
+            local.copy_(staging)
+    carried = [objects]
+    dist.broadcast_object_list(carried, src=source, group=group)
+    if dist.get_rank() == source:
+        return
+    received = rebuild(tree, {**carried[0], **tensors})
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(received[key])
+        else:
+            state[key] = received[key]
 
 
 class Checkpointer:
@@ -133,6 +201,8 @@ class Checkpointer:
         self._stage_two: threading.Thread | None = None
         self._stage_two_error: BaseException | None = None
         self._stage_two_step: int | None = None
+        self._buffer: SnapshotBuffer | None = None
+        self.bytes_read = 0
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], descriptor: dict[str, Any]) -> str:
@@ -159,10 +229,53 @@ class Checkpointer:
             self._barrier()
             return location
 
+        staged_state = self._snapshot().take(state, {"step": step, "descriptor": descriptor})
+        log.info(
+            "checkpoint: step %d in host memory after %.2f s; writing it in the background",
+            step,
+            time.perf_counter() - started,
+        )
+        self._stage_two_step = step
+        self._stage_two = threading.Thread(
+            target=self._in_background,
+            args=(step, staged_state, descriptor),
+            name="megascale-checkpoint-stage-2",
+        )
+        self._stage_two.start()
+        return location
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate this rank's snapshot memory for `state` now rather than at the first save."""
+        if self.async_save:
+            self._snapshot().reserve(state)
+
+    def close(self) -> None:
+        """Wait for the save in flight, then give this rank's snapshot memory back (the run is over)."""
+        self.wait()
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+    def _snapshot(self) -> SnapshotBuffer:
+        if self._buffer is None:
+            rank = dist.get_rank() if _distributed() else 0
+            self._buffer = SnapshotBuffer(staging_root(self.root) / SNAPSHOTS, rank)
+        return self._buffer
+
+    def _in_background(self, step: int, staged_state: dict[str, Any], descriptor: dict[str, Any]) -> None:
+        try:
+            self._hand_over(step, staged_state, descriptor)
+        except BaseException as err:  # noqa: BLE001 (re-raised by wait())
+            self._stage_two_error = err
+
+    def _hand_over(self, step: int, staged_state: dict[str, Any], descriptor: dict[str, Any]) -> None:
+        """Serialise a snapshot with DCP into the node's staging directory, hand it to stage 2 (READY.json)
+        and release the buffer; then, unless the executor persists, persist it here. Collective."""
         staged = staging_root(self.root) / step_dir_name(step)
+        executor = os.environ.get(PERSISTER) == "executor"
         if _is_node_main():
-            # One snapshot per node in host memory at a time: wait for the executor's stage 2 of the last.
-            while os.environ.get(PERSISTER) == "executor" and pending(staged.parent):
+            # One snapshot per node in the staging directory at a time: wait for stage 2 of the last.
+            while executor and pending(staged.parent):
                 time.sleep(0.05)
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
@@ -171,7 +284,7 @@ class Checkpointer:
             self._barrier()  # every node's staging directory exists before anyone writes
             dist.broadcast_object_list(save_id, src=0, group=self.process_group)
         dcp.save(
-            state,
+            staged_state,
             storage_writer=dcp.FileSystemWriter(str(staged), sync_files=False, thread_count=write_threads()),
             process_group=self.process_group,
             no_dist=not _distributed(),
@@ -181,31 +294,17 @@ class Checkpointer:
             nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
             mark_ready(
                 staged,
-                final=location,
+                final=join(self.root, step_dir_name(step)),
                 descriptor=descriptor,
                 keep=self.keep,
                 save_id=save_id[0],
                 nodes=nodes,
                 node=node_name(),
             )
-            if os.environ.get(PERSISTER) != "executor":
-                self._stage_two_step = step
-                self._stage_two = threading.Thread(
-                    target=self._persist, args=(staged,), name="megascale-checkpoint-stage-2"
-                )
-                self._stage_two.start()
-        log.info(
-            "checkpoint: step %d in host memory after %.2f s; persisting in the background",
-            step,
-            time.perf_counter() - started,
-        )
-        return location
-
-    def _persist(self, staged) -> None:
-        try:
+        self._barrier()  # every node has marked its share ready: the buffers are no longer the only copy
+        self._snapshot().release()
+        if _is_node_main() and not executor:
             persist(staged)
-        except BaseException as err:  # noqa: BLE001 (re-raised by wait())
-            self._stage_two_error = err
 
     def wait(self) -> None:
         """Block until this process's stage 2 is done; re-raise what went wrong with it."""
@@ -218,19 +317,63 @@ class Checkpointer:
                 f"checkpoint: saving step {self._stage_two_step} failed: {error}"
             ) from error
 
-    def recover_staged(self) -> None:
-        """Persist snapshots a crashed predecessor left complete in this node's host memory, and drop
-        incomplete ones. Collective. (Under `megascale launch` the executor does this as they appear.)"""
+    def recover_staged(self, state: dict[str, Any]) -> None:
+        """Finish what a crashed predecessor left in this node's memory. Collective.
+
+        Staged snapshots that were complete are persisted (under `megascale launch` the executor does
+        this; here we wait for it), incomplete ones dropped. Then, if every rank holds a snapshot of the
+        same step in its buffer, laid out as `state` is, and that step is newer than every committed
+        checkpoint, it is written and committed now: a crash just after stage 1 loses nothing."""
         root = staging_root(self.root)
-        if _is_node_main() and os.environ.get(PERSISTER) != "executor" and root.is_dir():
-            for staged in pending(root):
-                log.info("checkpoint: persisting %s, left in host memory by the previous run", staged.name)
-                try:
-                    persist(staged)
-                except Exception as err:  # noqa: BLE001 (a lost snapshot: the previous checkpoint serves)
-                    log.warning("checkpoint: could not persist %s (%s); it is dropped", staged.name, err)
-            for leftover in root.iterdir():
-                shutil.rmtree(leftover, ignore_errors=True)
+        executor = os.environ.get(PERSISTER) == "executor"
+        if _is_node_main() and root.is_dir():
+            if executor:
+                deadline = time.monotonic() + 600
+                while pending(root) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            else:
+                for staged in pending(root):
+                    log.info(
+                        "checkpoint: persisting %s, left in host memory by the previous run", staged.name
+                    )
+                    try:
+                        persist(staged)
+                    except Exception as err:  # noqa: BLE001 (a lost snapshot: the previous checkpoint serves)
+                        log.warning("checkpoint: could not persist %s (%s); it is dropped", staged.name, err)
+                for leftover in root.iterdir():
+                    if leftover.name != SNAPSHOTS:
+                        shutil.rmtree(leftover, ignore_errors=True)
+        self._barrier()
+        if not self.async_save:
+            return
+        restored = self._snapshot().restore(state)
+        committed = list_checkpoints(self.root)
+        step = restored[0]["step"] if restored is not None else -1
+        # MIN over ranks gives the lowest step held, minus the highest, and minus the newest committed.
+        votes = torch.tensor([step, -step, -(committed[-1][0] if committed else -1)], dtype=torch.int64)
+        if _distributed():
+            dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.process_group)
+        lowest, highest, newest = int(votes[0]), -int(votes[1]), -int(votes[2])
+        if restored is None or lowest < 0 or lowest != highest or lowest <= newest:
+            if highest > newest:
+                log.warning(
+                    "checkpoint: a snapshot of step %d is in memory but not on every rank in this layout "
+                    "(steps %d to %d held); resuming from the newest committed checkpoint",
+                    highest,
+                    lowest,
+                    highest,
+                )
+            self._snapshot().release()
+            return
+        log.warning(
+            "checkpoint: step %d was only in host memory when the previous run stopped; writing it now",
+            lowest,
+        )
+        meta, staged_state = restored
+        self._hand_over(lowest, staged_state, meta["descriptor"])
+        if executor and _is_node_main():
+            while pending(root):
+                time.sleep(0.1)
         self._barrier()
 
     # -- finding and loading --------------------------------------------------------------------------
@@ -259,8 +402,22 @@ class Checkpointer:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def load(self, location: str, state: dict[str, Any]) -> dict[str, Any]:
-        return load_checkpoint(location, state)
+    def load(
+        self, location: str, state: dict[str, Any], *, replicas: dist.ProcessGroup | None = None
+    ) -> dict[str, Any]:
+        """`load_checkpoint`; the bytes this rank read from storage are kept in `bytes_read`."""
+        started = time.perf_counter()
+        manifest, self.bytes_read = _load(location, state, replicas)
+        log.info(
+            "checkpoint: loaded %s in %.2f s (%.1f MiB read from storage by this rank%s)",
+            location,
+            time.perf_counter() - started,
+            self.bytes_read / 2**20,
+            ", shared with its replicas"
+            if replicas is not None and dist.get_world_size(replicas) > 1
+            else "",
+        )
+        return manifest
 
     def _barrier(self) -> None:
         if _distributed():

@@ -62,7 +62,15 @@ class OptimizerState(Stateful):
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        return {key: value for state in self._part_states() for key, value in state.items()}
+        """The flattened state. An optimizer that has not stepped yet has no state; DCP creates it by
+        stepping once with zero gradients and lr 0, which still advances Adam's step count. Such an
+        optimizer is put back as it was, so describing the state (for a snapshot buffer) changes no run."""
+        pristine = [not optimizer.state for optimizer in self.optimizers]
+        state = {key: value for part_state in self._part_states() for key, value in part_state.items()}
+        for optimizer, was_pristine in zip(self.optimizers, pristine):
+            if was_pristine:
+                optimizer.state.clear()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for part, optimizer, own in zip(self.parts, self.optimizers, self._part_states()):

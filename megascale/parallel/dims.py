@@ -178,6 +178,11 @@ class ParallelDims:
         group with training's (they run concurrently, from another thread). Collective."""
         return dist.new_group(backend="gloo")
 
+    def replica_group(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+        """The ranks holding the same state as this one (its DP replicas), or None without replicas:
+        on recovery one of them reads the checkpoint and broadcasts it to the rest."""
+        return mesh["dp_replicate"].get_group() if self.dp_replicate > 1 else None
+
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""
         return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()

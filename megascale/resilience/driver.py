@@ -174,7 +174,7 @@ class Driver:
             )
         self.events.write("start", attempt=attempt, nodes=nodes, processes=len(nodes) * nproc)
 
-    def watch(self, nodes: list[str], attempt: int, resume_step: int) -> Fault | None:
+    def watch(self, nodes: list[str], attempt: int) -> Fault | None:
         """Until the attempt ends: None when every node finished cleanly, else the first fault seen."""
         res = self.res
         started = time.time()
@@ -214,9 +214,12 @@ class Driver:
                     )
             if steps and max(steps) != last_step:
                 last_step, last_change = max(steps), now
-                if not recovered and last_step > resume_step:
+                if not recovered:  # the first step of a restarted attempt (reports are per attempt)
                     recovered = True
-                    self.events.write("recovered", attempt=attempt, first_step=last_step)
+                    resumed_from = min(report.get("resumed_from", 0) for report in reports.values())
+                    self.events.write(
+                        "recovered", attempt=attempt, first_step=last_step, resumed_from=resumed_from
+                    )
             elif now - last_change > (res.hang_timeout_s if last_step >= 0 else res.startup_timeout_s):
                 low = min(steps) if steps else None
                 suspects = sorted(int(rank) for rank, report in reports.items() if report["step"] == low)
@@ -303,14 +306,14 @@ class Driver:
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
-        attempt, resume_step = 0, 0
+        attempt = 0
         while True:
             nodes = self.healthy_nodes()[: self.res.nodes]
             if not self._layout_fits(len(nodes)):
                 self.events.write("give_up", reason=f"{len(nodes)} healthy nodes cannot run the job's layout")
                 return 1
             self.start_attempt(nodes, attempt)
-            fault = self.watch(nodes, attempt, resume_step)
+            fault = self.watch(nodes, attempt)
             if self.stop_requested:
                 self.stop_nodes(nodes, "terminate")
                 self.wait_for_snapshots(nodes)
@@ -342,8 +345,11 @@ class Driver:
                 )
                 return 1
             attempt += 1
-            resume_step = self._newest_checkpoint_step(attempt)
-            self.events.write("restart", attempt=attempt, resume_step=resume_step)
+            # The newest checkpoint in storage; the ranks may resume from a newer snapshot still in their
+            # nodes' memory (`recovered` says where they did).
+            self.events.write(
+                "restart", attempt=attempt, checkpoint_step=self._newest_checkpoint_step(attempt)
+            )
 
     def _newest_checkpoint_step(self, attempt: int) -> int:
         from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, read_manifest

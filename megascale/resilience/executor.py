@@ -11,6 +11,7 @@ Stop kills the whole torchrun session at once: after a fault, the workers' state
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -174,6 +175,8 @@ class Executor:
                     self.stop()
                     self.heartbeat()
                     shutil.rmtree(self.staging_dir, ignore_errors=True)
+                    with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
+                        self.staging_dir.parent.rmdir()
                     return
             self.heartbeat()
             time.sleep(self.interval_s)

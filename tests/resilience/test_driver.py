@@ -71,9 +71,9 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
     restart = next(event for event in events if event["event"] == "restart")
     assert fault["kind"] == "process_exit" and restart["attempt"] == 1
     assert losses(run_dir) == reference  # bit for bit, every step
-    recomputed = (step - 1) - restart["resume_step"]
     start = next(e for e in events if e["event"] == "start" and e["attempt"] == 1)
     recovered = next(e for e in events if e["event"] == "recovered")
+    recomputed = (step - 1) - recovered["resumed_from"]
     print(
         f"fault detected {fault['time'] - events[1]['time']:.1f} s after the start; restarted "
         f"{start['time'] - fault['time']:.1f} s after detection; first new step after "
@@ -161,7 +161,7 @@ def test_nan_rollback_restarts_from_the_checkpoint(tiny_corpus, tmp_path):
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
     assert fault["kind"] == "process_exit" and "status 1" in fault["detail"]
-    assert next(e for e in events if e["event"] == "restart")["resume_step"] == 4
+    assert next(e for e in events if e["event"] == "restart")["checkpoint_step"] == 4
     assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
 
 

@@ -1,0 +1,103 @@
+"""Recovery read with a broadcast: in dp_replicate=2 x pp=2, one rank of each replica pair reads the
+checkpoint and sends it to the other. The resumed run is identical to one where every rank reads, and
+storage serves half the bytes."""
+
+import shutil
+
+import pytest
+
+from megascale.config import load_config
+from megascale.observe.metrics import read_metrics
+from megascale.trainer import Trainer
+from tests.conftest import TINY
+from tests.parallel.multiprocess import run_ranks
+
+STEPS, SAVE_AT = 8, 4
+LAYOUT = ["--parallel.dp_replicate=2", "--parallel.pp=2"]
+JOB = [
+    *TINY,
+    *LAYOUT,
+    "--model.n_layers=4",
+    "--training.global_batch_size=4",
+    "--training.micro_batch_size=1",
+    f"--training.steps={STEPS}",
+    f"--training.val_every={STEPS}",
+    f"--checkpoint.every={SAVE_AT}",
+]
+
+
+def trainer_for(corpus, data_dir, run_dir, *extra) -> Trainer:
+    args = [*JOB, f"--data.source={corpus}", f"--data.cache_dir={data_dir}", f"--training.run_dir={run_dir}"]
+    return Trainer(load_config(None, [*args, *extra]))
+
+
+def first_half(rank, world_size, corpus, data_dir, run_dir):
+    trainer = trainer_for(corpus, data_dir, run_dir)
+    while trainer.step < SAVE_AT:
+        trainer.train_step()
+        trainer.step += 1
+    trainer.save_checkpoint(blocking=True)
+    trainer.checkpointer.close()
+
+
+def second_half(rank, world_size, corpus, data_dir, run_dir, broadcast):
+    """Resume by hand (resume=false keeps the trainer from loading on its own), with or without replicas."""
+    trainer = trainer_for(corpus, data_dir, run_dir, "--checkpoint.resume=false")
+    location = trainer.checkpointer.latest_verified()
+    replicas = trainer.parallel_dims.replica_group(trainer.mesh) if broadcast else None
+    trainer.checkpointer.load(location, trainer.checkpoint_state(), replicas=replicas)
+    assert trainer.step == SAVE_AT
+    trainer.train()
+    losses = {record["step"]: record["loss"] for record in read_metrics(run_dir)} if rank == 0 else None
+    return trainer.checkpointer.bytes_read, losses
+
+
+@pytest.mark.slow
+def test_one_replica_reads_and_broadcasts_with_identical_results(tiny_corpus, tmp_path):
+    data = tmp_path / "data"
+    run_ranks(first_half, 4, tiny_corpus, data, tmp_path / "saved")
+    outcome = {}
+    for broadcast in (False, True):
+        run_dir = tmp_path / f"broadcast-{broadcast}"
+        shutil.copytree(tmp_path / "saved", run_dir)
+        outcome[broadcast] = run_ranks(second_half, 4, tiny_corpus, data, run_dir, broadcast)
+    every_rank = [read for read, _ in outcome[False]]
+    one_per_pair = [read for read, _ in outcome[True]]
+    print(
+        f"bytes read from storage per rank: every rank reads {every_rank} (total {sum(every_rank)}); "
+        f"one per replica pair {one_per_pair} (total {sum(one_per_pair)}, "
+        f"{sum(one_per_pair) / sum(every_rank):.2f}x)"
+    )
+    assert outcome[True][0][1] == outcome[False][0][1]  # every loss of steps 5-8, bit for bit
+    assert sorted(outcome[True][0][1]) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert all(read > 0 for read in every_rank)
+    # Exactly one rank of each replica pair read, as much as it reads alone; its partner read nothing.
+    assert sorted(read for read in one_per_pair if read > 0) == sorted(
+        every_rank[rank] for rank, read in enumerate(one_per_pair) if read > 0
+    )
+    assert one_per_pair.count(0) == 2 and sum(one_per_pair) * 2 == sum(every_rank)
+
+
+def crash_after_stage_one(rank, world_size, corpus, data_dir, run_dir, layout):
+    trainer = trainer_for(corpus, data_dir, run_dir, *layout)
+    while trainer.step < SAVE_AT:
+        trainer.train_step()
+        trainer.step += 1
+    trainer.checkpointer._in_background = lambda *args: None  # every rank dies before serialising
+    trainer.save_checkpoint(blocking=True)
+
+
+def restarted_step(rank, world_size, corpus, data_dir, run_dir, layout):
+    return Trainer.__new__(Trainer) and trainer_for(corpus, data_dir, run_dir, *layout).step
+
+
+@pytest.mark.parametrize(
+    "layout", [["--parallel.dp_replicate=1", "--parallel.dp_shard=4", "--parallel.pp=1"]]
+)
+def test_a_snapshot_only_in_memory_is_recovered_by_the_restarted_ranks(
+    tiny_corpus, tmp_path, layout, monkeypatch
+):
+    monkeypatch.setenv("MEGASCALE_STAGING_DIR", str(tmp_path / "staging"))
+    data = tmp_path / "data"
+    run_ranks(crash_after_stage_one, 4, tiny_corpus, data, tmp_path / "run", layout)
+    assert run_ranks(restarted_step, 4, tiny_corpus, data, tmp_path / "run", layout) == [SAVE_AT] * 4
