@@ -115,7 +115,7 @@ def _replica(rank: int, world: int, init_file: str, location: str, gib: float, r
             started = time.perf_counter()
             loader.load(location, {"model": ModelState(model)}, replicas=replicas)
             dist.barrier()
-            checksum = sum(float(param.double().sum()) for param in model.parameters())
+            checksum = sum(float(param.detach().double().sum()) for param in model.parameters())
             figures[name] = (loader.bytes_read, time.perf_counter() - started, checksum)
         results.put((rank, figures))
     finally:

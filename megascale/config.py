@@ -316,7 +316,53 @@ class ResilienceConfig:
         "the checkpoint) before it counts as a hang.",
         gt=0,
     )
+    comm_flat_timeout_s: float = option(
+        60.0,
+        "No step completed and no byte through the workers' sockets or files for this long is a hang, "
+        "found before hang_timeout_s (a long step whose communication still flows waits for that); "
+        "0 turns it off.",
+        ge=0,
+    )
+    loss_spike_z: float = option(
+        6.0,
+        "A step's loss more than this many standard deviations above the mean of the last "
+        "anomaly_window readings is a loss spike; 0 turns it off.",
+        ge=0,
+    )
+    step_time_factor: float = option(
+        3.0,
+        "Three heartbeat readings in a row with a step time above this factor x the median of the last "
+        "anomaly_window are a collapse of the step time (a degraded node); 0 turns it off.",
+        ge=0,
+    )
+    anomaly_window: int = option(
+        50, "Readings (one per new step seen) the loss and step-time detectors keep.", ge=4
+    )
+    anomaly_action: str = option(
+        "warn",
+        "On a loss spike or a step-time collapse: 'warn' (an event, the job goes on) or 'restart' (stop, "
+        "diagnose, evict nodes that fail, and restart from the newest checkpoint).",
+        choices=("warn", "restart"),
+    )
     diagnose: bool = option(True, "Run the self-check on every node after a fault and evict those that fail.")
+    diagnose_bandwidth: bool = option(
+        True,
+        "Include the all-to-all among nproc_per_node fresh local processes in the self-check (a few seconds "
+        "of process start-up per node).",
+    )
+    expected_gflops: float | None = option(
+        None,
+        "The float32 matmul rate (GFLOP/s) a healthy node reaches in the self-check; unset: compared with "
+        "the median of the nodes diagnosed together (three or more).",
+    )
+    expected_alltoall_gbps: float | None = option(
+        None,
+        "The all-to-all rate (GB/s sent per process) a healthy node reaches in the self-check; unset: "
+        "compared with the median of the nodes diagnosed together.",
+    )
+    min_speed_ratio: float = option(
+        0.5, "A node whose self-check rate is below this fraction of the expected one fails.", gt=0, le=1
+    )
     diagnose_timeout_s: float = option(
         120.0, "A node that has not reported its self-check by then fails it.", gt=0
     )

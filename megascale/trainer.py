@@ -338,7 +338,7 @@ class Trainer(Stateful):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-        self.injector.after_step(time.perf_counter() - started)
+        self.injector.after_step(self.step + 1, time.perf_counter() - started)
         loss_value = self._job_mean(local_loss, agree_on_stop=True).item()  # one sync per step
         return StepMetrics(
             loss=loss_value,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -29,6 +30,9 @@ from typing import Any
 
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
+from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
+from megascale.resilience.diagnostics import slower_than_peers
+from megascale.resilience.executor import local_address
 from megascale.resilience.inject import INJECT, active_faults
 from megascale.resilience.store import ControlStore, open_store
 
@@ -76,27 +80,20 @@ def evict(run_dir: Path, node: str) -> list[str]:
 
 @dataclass
 class Fault:
-    kind: str  # process_exit | heartbeat_lost | hang
+    kind: str  # process_exit | heartbeat_lost | hang | comm_flat | loss_spike | slow_steps
     node: str | None
     detail: str
     last_progress_step: int
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _nonfinite_steps(reports: dict[str, dict[str, Any]], ranks: int) -> dict[int, list[int]]:
-    """Non-finite steps that every one of `ranks` has got past, each with the ranks that saw it.
-
-    Waiting until all have reported past it makes the list of ranks complete (reports are sticky:
-    `last_nonfinite_step` stays in every later report of a rank)."""
-    if len(reports) < ranks:
-        return {}
-    oldest = min(report["step"] for report in reports.values())
-    seen: dict[int, list[int]] = {}
-    for rank, report in reports.items():
-        step = report.get("last_nonfinite_step")
-        if step is not None and step <= oldest:
-            seen.setdefault(step, []).append(int(rank))
-    return {step: sorted(found) for step, found in seen.items()}
+def _behind(reports: dict[str, dict[str, Any]]) -> list[int]:
+    """The ranks at the lowest step, when not all of them are: the suspects of a hang."""
+    if not reports:
+        return []
+    low = min(report["step"] for report in reports.values())
+    suspects = sorted(int(rank) for rank, report in reports.items() if report["step"] == low)
+    return suspects if len(suspects) < len(reports) else []
 
 
 def _free_port() -> int:
@@ -147,6 +144,8 @@ class Driver:
                     str(self.run_dir),
                     "--interval",
                     str(self.res.heartbeat_interval_s),
+                    "--address",
+                    local_address(index),
                 ],
                 start_new_session=True,
             )
@@ -181,6 +180,9 @@ class Driver:
         last_step, last_change = -1, started
         recovered = attempt == 0
         reported_nonfinite: set[int] = set()
+        loss_spike = LossSpike(res.loss_spike_z, res.anomaly_window)
+        slow_steps = StepTimeCollapse(res.step_time_factor, res.anomaly_window)
+        traffic = FlatCounter()
         while True:
             time.sleep(res.heartbeat_interval_s)
             now = time.time()
@@ -206,12 +208,13 @@ class Driver:
                 return None
             reports = {rank: report for beat in current.values() for rank, report in beat["progress"].items()}
             steps = [report["step"] for report in reports.values()]
-            for bad_step, ranks in _nonfinite_steps(reports, len(nodes) * res.nproc_per_node).items():
+            for bad_step, ranks in nonfinite_steps(reports, len(nodes) * res.nproc_per_node).items():
                 if bad_step not in reported_nonfinite:
                     reported_nonfinite.add(bad_step)
                     self.events.write(
                         "nonfinite", attempt=attempt, step=bad_step, ranks=ranks, policy=res.nan_policy
                     )
+            silent_s = traffic.observe(now, sum(beat.get("io_bytes", 0) for beat in current.values()))
             if steps and max(steps) != last_step:
                 last_step, last_change = max(steps), now
                 if not recovered:  # the first step of a restarted attempt (reports are per attempt)
@@ -220,16 +223,51 @@ class Driver:
                     self.events.write(
                         "recovered", attempt=attempt, first_step=last_step, resumed_from=resumed_from
                     )
+                fault = self._anomalies(attempt, last_step, reports, loss_spike, slow_steps)
+                if fault is not None:
+                    return fault
+            elif last_step >= 0 and 0 < res.comm_flat_timeout_s < min(now - last_change, silent_s):
+                return Fault(
+                    "comm_flat",
+                    None,
+                    f"no step completed and no byte moved for {silent_s:.1f} s",
+                    last_step,
+                    {"suspect_ranks": _behind(reports)},
+                )
             elif now - last_change > (res.hang_timeout_s if last_step >= 0 else res.startup_timeout_s):
-                low = min(steps) if steps else None
-                suspects = sorted(int(rank) for rank, report in reports.items() if report["step"] == low)
                 return Fault(
                     "hang",
                     None,
                     f"no step completed for {now - last_change:.1f} s",
                     last_step,
-                    {"suspect_ranks": suspects if len(suspects) < len(reports) else []},
+                    {"suspect_ranks": _behind(reports)},
                 )
+
+    def _anomalies(
+        self,
+        attempt: int,
+        step: int,
+        reports: dict[str, dict[str, Any]],
+        loss_spike: LossSpike,
+        slow_steps: StepTimeCollapse,
+    ) -> Fault | None:
+        """Feed the newest step's loss (mean over ranks) and time (slowest rank) to the detectors; log
+        what they find, and make it a fault when `resilience.anomaly_action = "restart"`."""
+        at_step = [report for report in reports.values() if report["step"] == step]
+        losses = [report["loss"] for report in at_step if isinstance(report.get("loss"), float)]
+        times = [report["step_time_s"] for report in at_step if "step_time_s" in report]
+        findings = []
+        if losses and all(map(math.isfinite, losses)):
+            findings.append(("loss_spike", loss_spike.observe(step, sum(losses) / len(losses))))
+        if times:
+            findings.append(("slow_steps", slow_steps.observe(step, max(times))))
+        for kind, finding in findings:
+            if finding is None:
+                continue
+            self.events.write(kind, attempt=attempt, action=self.res.anomaly_action, **finding)
+            if self.res.anomaly_action == "restart":
+                return Fault(kind, None, f"{kind.replace('_', ' ')} at step {step}", step, finding)
+        return None
 
     def wait_for_snapshots(self, nodes: list[str], timeout_s: float = 600.0) -> None:
         """Until every node's executor has persisted the snapshots its training processes left."""
@@ -252,30 +290,48 @@ class Driver:
             time.sleep(self.res.heartbeat_interval_s)
 
     def diagnose(self, nodes: list[str], attempt: int) -> list[str]:
-        """Run the self-check on `nodes`; returns those that failed it (or never answered)."""
+        """Run the self-check on `nodes`; returns those that failed it, never answered, or were markedly
+        slower than the others."""
+        res = self.res
         seq_before = self.seq
         for node in nodes:
-            self._command(node, "diagnose", attempt=attempt, inject=self.inject)
-        failed, deadline = [], time.time() + self.res.diagnose_timeout_s
-        pending = set(nodes)
-        while pending and time.time() < deadline:
-            for node in sorted(pending):
-                result = self.store.fetch(f"diag/{node}")
+            self._command(
+                node,
+                "diagnose",
+                attempt=attempt,
+                inject=self.inject,
+                nproc_per_node=res.nproc_per_node,
+                bandwidth=res.diagnose_bandwidth,
+                expected_gflops=res.expected_gflops,
+                expected_alltoall_gbps=res.expected_alltoall_gbps,
+                min_speed_ratio=res.min_speed_ratio,
+            )
+        results, deadline = {}, time.time() + res.diagnose_timeout_s
+        while len(results) < len(nodes) and time.time() < deadline:
+            for node in nodes:
+                result = results.get(node) or self.store.fetch(f"diag/{node}")
                 if result and result["seq"] > seq_before:
-                    pending.discard(node)
-                    self.events.write(
-                        "diagnosis",
-                        node=node,
-                        passed=result["passed"],
-                        reason=result["reason"],
-                        checks=result["checks"],
-                    )
-                    if not result["passed"]:
-                        failed.append(node)
+                    results[node] = result
             time.sleep(0.2)
-        for node in sorted(pending):
-            self.events.write("diagnosis", node=node, passed=False, reason="no answer")
-            failed.append(node)
+        passed = {node: result for node, result in results.items() if result["passed"]}
+        for node, reason in slower_than_peers(passed, res.min_speed_ratio).items():
+            results[node] = {**results[node], "passed": False, "reason": reason}
+        failed = []
+        for node in nodes:
+            if node not in results:
+                self.events.write("diagnosis", node=node, passed=False, reason="no answer")
+                failed.append(node)
+                continue
+            result = results[node]
+            self.events.write(
+                "diagnosis",
+                node=node,
+                passed=result["passed"],
+                reason=result["reason"],
+                checks=result["checks"],
+            )
+            if not result["passed"]:
+                failed.append(node)
         return failed
 
     # -- the job --------------------------------------------------------------------------------------

@@ -35,10 +35,27 @@ ERROR_KEYWORDS = re.compile(
 MAX_ERROR_LINES = 20
 
 
+def local_address(index: int) -> str:
+    """A loopback address of its own for local node `index` (all of 127/8 reaches this machine), with
+    three-digit octets so that the addresses sort as the indices do (valid for 15,600 nodes)."""
+    return f"127.{100 + index // 100}.{100 + index % 100}.1"
+
+
 class Executor:
-    def __init__(self, store_url: str, job: str, node: str, run_dir: Path, interval_s: float):
+    def __init__(
+        self,
+        store_url: str,
+        job: str,
+        node: str,
+        run_dir: Path,
+        interval_s: float,
+        address: str | None = None,
+    ):
         self.store = open_store(store_url, job=job)
         self.node = node
+        # torchrun's c10d rendezvous numbers the nodes by their address (then by the agent's pid): a stable
+        # address keeps each rank on the same node across restarts, where its snapshot buffer is.
+        self.address = address
         self.run_dir = run_dir
         self.interval_s = interval_s
         self.node_dir = run_dir / "nodes" / node
@@ -84,6 +101,7 @@ class Executor:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={command['rdzv_endpoint']}",
             f"--rdzv-id={command['rdzv_id']}",
+            *([f"--local-addr={self.address}"] if self.address else []),
             "--max-restarts=0",
             "--monitor-interval=0.5",
             "-m", "megascale.cli", "train", *command["train_args"],
@@ -127,15 +145,18 @@ class Executor:
             state = "running" if exit_code is None else "exited"
         self._scan_log()
         progress = read_progress(self.log_path.parent) if self.log_path else {}
+        workers = children_alive(self.proc.pid) if state == "running" and self.proc else []
         beat = {
             "time": time.time(),
             "node": self.node,
             "host": socket.gethostname(),
+            "address": self.address,
             "attempt": self.attempt,
             "state": state,
             "exit_code": exit_code,
             "pid": self.proc.pid if self.proc else None,
-            "workers": children_alive(self.proc.pid) if state == "running" else [],
+            "workers": workers,
+            "io_bytes": io_bytes(workers),
             "progress": {str(rank): report for rank, report in progress.items()},
             "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
             "snapshots_pending": self.persister.busy(),
@@ -182,6 +203,19 @@ class Executor:
             time.sleep(self.interval_s)
 
 
+def io_bytes(pids: list[int]) -> int:
+    """Bytes the processes have moved through read/write calls, sockets included (/proc/PID/io): their
+    collectives' traffic, and what they write each step. A hung job's stops moving."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+            total += int(fields["rchar"]) + int(fields["wchar"])
+        except (OSError, KeyError, ValueError):
+            continue  # exited meanwhile, or not ours to read
+    return total
+
+
 def children_alive(pid: int) -> list[int]:
     """Live child processes of `pid` (torchrun's workers), from /proc."""
     alive = []
@@ -202,8 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", required=True, help="This node's name.")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--interval", type=float, default=1.0, help="Heartbeat interval, seconds.")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="This node's address in torchrun's rendezvous (its --local-addr). Ranks are numbered in the "
+        "order of these addresses, so a stable one keeps each rank on its node across restarts. Default: "
+        "the host's name.",
+    )
     args = parser.parse_args(argv)
-    executor = Executor(args.store, args.job, args.node, args.run_dir, args.interval)
+    executor = Executor(args.store, args.job, args.node, args.run_dir, args.interval, args.address)
     signal.signal(signal.SIGTERM, lambda *_: (executor.stop(), sys.exit(0)))
     try:
         executor.run()

@@ -5,7 +5,7 @@ Faults a training process injects into itself:
 - kill:rank=R:step=S      SIGKILL itself when step S begins
 - hang:rank=R:step=S      stop making progress at step S (sleep, holding its peers in the next collective)
 - nan:step=S              make step S's loss NaN on every rank
-- slow:rank=R:factor=F    stretch every step of rank R to F times its length
+- slow:rank=R:factor=F    stretch every step of rank R to F times its length (from step S with :step=S)
 Faults the executor and checkpoints take (resilience/executor.py, resilience/diagnostics.py):
 - diagnose_fail:node=N    node N fails its self-check
 - corrupt_checkpoint      truncate a shard of the newest checkpoint before the restart
@@ -97,7 +97,7 @@ class FaultInjector:
         nan = any(fault.kind == "nan" and step == fault.get("step") for fault in self.faults)
         return float("nan") if nan else 1.0
 
-    def after_step(self, step_time_s: float) -> None:
+    def after_step(self, step: int, step_time_s: float) -> None:
         for fault in self.faults:
-            if fault.kind == "slow":
+            if fault.kind == "slow" and step >= fault.get("step", 1):
                 time.sleep(max(0.0, (fault.get("factor", 1.0) - 1.0) * step_time_s))

@@ -1,13 +1,14 @@
-"""The driver's pure parts: non-finite step reporting, the blocklist and the events log."""
+"""The driver's pure parts: its detectors on made-up series, the blocklist and the events log."""
 
-from megascale.resilience.driver import EventLog, _nonfinite_steps, evict, read_blocklist, read_events
+from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
+from megascale.resilience.driver import EventLog, evict, read_blocklist, read_events
 
 
 def test_a_nonfinite_step_is_reported_once_every_rank_is_past_it_with_all_their_names():
-    assert _nonfinite_steps({"0": {"step": 4, "last_nonfinite_step": 3}, "1": {"step": 2}}, 2) == {}
-    assert _nonfinite_steps({"0": {"step": 4, "last_nonfinite_step": 3}}, 2) == {}  # a rank not heard yet
+    assert nonfinite_steps({"0": {"step": 4, "last_nonfinite_step": 3}, "1": {"step": 2}}, 2) == {}
+    assert nonfinite_steps({"0": {"step": 4, "last_nonfinite_step": 3}}, 2) == {}  # a rank not heard yet
     both = {"0": {"step": 4, "last_nonfinite_step": 3}, "1": {"step": 3, "last_nonfinite_step": 3}}
-    assert _nonfinite_steps(both, 2) == {3: [0, 1]}
+    assert nonfinite_steps(both, 2) == {3: [0, 1]}
 
 
 def test_evicted_nodes_stay_on_the_blocklist_once(tmp_path):
@@ -27,3 +28,48 @@ def test_events_are_json_lines_with_times(tmp_path):
         ("restart", None, 1),
     ]
     assert events[0]["time"] <= events[1]["time"]
+
+
+def test_a_loss_spike_is_found_by_its_z_score_over_the_window():
+    detector = LossSpike(z=6.0, window=20)
+    noisy = [3.0 + 0.01 * ((step * 7) % 5 - 2) for step in range(20)]
+    assert [detector.observe(step, loss) for step, loss in enumerate(noisy)] == [None] * 20
+    assert detector.observe(20, 3.05) is None  # 3.5 standard deviations: ordinary
+    spike = detector.observe(21, 3.5)
+    assert spike is not None and spike["step"] == 21 and spike["z"] > 6
+    assert detector.observe(22, 3.5) is not None  # the spike stayed out of the history
+
+
+def test_no_loss_spike_is_judged_before_half_a_window_or_on_a_flat_history():
+    detector = LossSpike(z=6.0, window=20)
+    assert [detector.observe(step, 3.0 + step % 2 * 0.01) for step in range(9)] == [None] * 9
+    assert detector.observe(9, 100.0) is None  # 9 readings: too few to judge
+    flat = LossSpike(z=6.0, window=4)
+    assert [flat.observe(step, 3.0) for step in range(5)] == [None] * 5
+    assert LossSpike(z=0.0, window=4).observe(0, 1.0) is None  # z = 0 turns it off
+
+
+def test_step_time_collapse_needs_several_slow_steps_in_a_row():
+    detector = StepTimeCollapse(factor=3.0, window=10, persist=3)
+    for step in range(10):
+        assert detector.observe(step, 1.0 + 0.01 * step) is None
+    assert detector.observe(10, 5.0) is None  # a checkpoint step
+    assert detector.observe(11, 1.0) is None  # back to normal: the count starts again
+    assert [detector.observe(step, 4.0) for step in (12, 13)] == [None, None]
+    found = detector.observe(14, 4.0)
+    assert found == {"step": 14, "step_time_s": 4.0, "median_s": detector_median(detector)}
+    assert detector.observe(15, 4.0) is None  # reported once per episode
+
+
+def detector_median(detector):
+    import statistics
+
+    return statistics.median(detector.history)
+
+
+def test_a_flat_counter_reports_how_long_it_has_not_moved():
+    counter = FlatCounter()
+    assert counter.observe(100.0, 5) == 0.0
+    assert counter.observe(101.5, 5) == 1.5
+    assert counter.observe(102.0, 9) == 0.0
+    assert counter.observe(110.0, 9) == 8.0

@@ -71,6 +71,12 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
     restart = next(event for event in events if event["event"] == "restart")
     assert fault["kind"] == "process_exit" and restart["attempt"] == 1
     assert losses(run_dir) == reference  # bit for bit, every step
+    # Every rank restarted on the node it ran on, where its snapshot buffer is.
+    for node in ("node-0", "node-1"):
+        ranks = [
+            sorted(p.name for p in run_dir.glob(f"nodes/{node}/attempt-{a}/rank-*.json")) for a in (0, 1)
+        ]
+        assert ranks[0] == ranks[1] and len(ranks[0]) == 2, (node, ranks)
     start = next(e for e in events if e["event"] == "start" and e["attempt"] == 1)
     recovered = next(e for e in events if e["event"] == "recovered")
     recomputed = (step - 1) - recovered["resumed_from"]
@@ -107,6 +113,54 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
     assert delay <= hang_timeout + interval + 1.0  # + one reading of the progress files
     assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
     assert not _processes_of(run_dir), "the hung worker outlived the job"
+
+
+def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp_path):
+    flat_timeout, interval = 5.0, 0.5
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "silent",
+        "--resilience.nodes=1",
+        "--resilience.nproc_per_node=2",
+        "--resilience.inject=hang:rank=0:step=5",
+        "--resilience.hang_timeout_s=300",
+        f"--resilience.comm_flat_timeout_s={flat_timeout}",
+        "--parallel.timeout_s=300",
+    )
+    events = read_events(run_dir)
+    fault = next(event for event in events if event["event"] == "fault")
+    assert fault["kind"] == "comm_flat" and fault["last_step"] == 4
+    last_progress = max(record["time"] for record in _attempt_reports(run_dir, 0) if record["step"] == 4)
+    delay = fault["time"] - last_progress
+    print(f"silent communication detected {delay:.1f} s after the last step (timeout {flat_timeout} s)")
+    assert delay <= flat_timeout + 2 * interval + 1.0  # the counters are read once per heartbeat
+    assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
+
+
+@pytest.mark.slow
+def test_a_rank_turning_slow_is_reported_as_a_step_time_collapse(tiny_corpus, tmp_path):
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "slowed",
+        "--resilience.nodes=1",
+        "--resilience.nproc_per_node=2",
+        "--training.steps=30",
+        "--resilience.inject=slow:rank=1:factor=10:step=16",
+        "--resilience.heartbeat_interval_s=0.2",
+        "--resilience.anomaly_window=10",
+    )
+    events = read_events(run_dir)
+    (collapse,) = [event for event in events if event["event"] == "slow_steps"]
+    print(
+        f"step time {collapse['step_time_s']:.2f} s against a median of {collapse['median_s']:.2f} s, "
+        f"reported at step {collapse['step']}"
+    )
+    assert collapse["step"] >= 16 and collapse["step_time_s"] > 3 * collapse["median_s"]
+    assert collapse["action"] == "warn" and "fault" not in kinds(events) and kinds(events)[-1] == "done"
 
 
 def _processes_of(run_dir):
