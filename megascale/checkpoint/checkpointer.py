@@ -161,7 +161,8 @@ def _broadcast_state(state: dict[str, Any], source: int, group: dist.ProcessGrou
     """Make every rank of `group` hold `source`'s state: its tensors, then its other values."""
     tree = flatten(state)  # on the source, what it just loaded; elsewhere, tensors to receive into
     tensors, objects = split_leaves(tree)
-    for tensor in tensors.values():
+    for path in sorted(tensors):  # by name: a fresh optimizer may order its state differently
+        tensor = tensors[path]
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         staging = local if local.is_contiguous() else local.contiguous()
         dist.broadcast(staging, src=source, group=group)
