@@ -256,6 +256,12 @@ class Checkpointer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+        root = staging_root(self.root)
+        for directory in (root, root.parent):  # this job's staging directory, then megascale-<user>
+            try:
+                directory.rmdir()
+            except OSError:
+                break  # not empty (another job's, or a snapshot left for stage 2), or already gone
 
     def _snapshot(self) -> SnapshotBuffer:
         if self._buffer is None:

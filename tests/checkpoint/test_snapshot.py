@@ -60,6 +60,15 @@ def test_release_forgets_the_snapshot_and_close_frees_the_memory(tmp_path):
     assert not (tmp_path / "snapshots").exists()
 
 
+def test_closing_a_checkpointer_leaves_nothing_in_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASCALE_STAGING_DIR", str(tmp_path / "shm" / "job"))
+    saver = Checkpointer(tmp_path / "ckpt", keep=2)
+    saver.save(1, {"model": ModelState(nn.Linear(8, 8))}, {})
+    saver.close()
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [1]
+    assert not (tmp_path / "shm").exists()
+
+
 def test_a_checkpointer_crashing_after_stage_one_loses_nothing(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
