@@ -78,8 +78,8 @@ def test_one_replica_reads_and_broadcasts_with_identical_results(tiny_corpus, tm
     assert one_per_pair.count(0) == 2 and sum(one_per_pair) * 2 == sum(every_rank)
 
 
-def crash_after_stage_one(rank, world_size, corpus, data_dir, run_dir, layout):
-    trainer = trainer_for(corpus, data_dir, run_dir, *layout)
+def crash_after_stage_one(rank, world_size, corpus, data_dir, run_dir):
+    trainer = trainer_for(corpus, data_dir, run_dir, *FSDP4)
     while trainer.step < SAVE_AT:
         trainer.train_step()
         trainer.step += 1
@@ -87,17 +87,15 @@ def crash_after_stage_one(rank, world_size, corpus, data_dir, run_dir, layout):
     trainer.save_checkpoint(blocking=True)
 
 
-def restarted_step(rank, world_size, corpus, data_dir, run_dir, layout):
-    return Trainer.__new__(Trainer) and trainer_for(corpus, data_dir, run_dir, *layout).step
+def restarted_step(rank, world_size, corpus, data_dir, run_dir):
+    return trainer_for(corpus, data_dir, run_dir, *FSDP4).step
 
 
-@pytest.mark.parametrize(
-    "layout", [["--parallel.dp_replicate=1", "--parallel.dp_shard=4", "--parallel.pp=1"]]
-)
-def test_a_snapshot_only_in_memory_is_recovered_by_the_restarted_ranks(
-    tiny_corpus, tmp_path, layout, monkeypatch
-):
-    monkeypatch.setenv("MEGASCALE_STAGING_DIR", str(tmp_path / "staging"))
+FSDP4 = ["--parallel.dp_replicate=1", "--parallel.dp_shard=4", "--parallel.pp=1"]
+
+
+def test_a_snapshot_only_in_memory_is_recovered_by_the_restarted_ranks(tiny_corpus, tmp_path):
+    # The forked ranks inherit the test's MEGASCALE_STAGING_DIR (conftest), so they share one node's memory.
     data = tmp_path / "data"
-    run_ranks(crash_after_stage_one, 4, tiny_corpus, data, tmp_path / "run", layout)
-    assert run_ranks(restarted_step, 4, tiny_corpus, data, tmp_path / "run", layout) == [SAVE_AT] * 4
+    run_ranks(crash_after_stage_one, 4, tiny_corpus, data, tmp_path / "run")
+    assert run_ranks(restarted_step, 4, tiny_corpus, data, tmp_path / "run") == [SAVE_AT] * 4
