@@ -1,44 +1,33 @@
 """Typed job configuration: one dataclass per section, loaded from TOML, overridden as --section.key=value.
 
-Every field carries its help text, allowed values and range in its metadata, so that validation, the error
-messages and the reference in docs/config.md (``python -m megascale.config``) all come from one place.
+Every field carries its help text, allowed values and range in its metadata (`megascale.options`), so that
+validation, the error messages and the reference in docs/config.md (``python -m megascale.config``) all come
+from one place.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 import tomllib
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megascale import options
 from megascale.errors import ConfigError
+from megascale.options import (
+    check_fields,
+    fail,
+    flatten_keys,
+    leaf_keys,
+    option,
+    section,
+    set_key,
+    to_toml,
+)
 
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    choices: tuple | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-) -> Any:
-    """A config field: its default, one-line help, and the values it accepts."""
-    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def section(cls: type) -> Any:
-    """A nested config section (a dataclass) inside another one."""
-    return field(default_factory=cls, metadata={"help": (cls.__doc__ or "").strip().splitlines()[0]})
+__all__ = ["JobConfig", "all_keys", "fail", "flatten_keys", "from_dict", "load_config", "to_dict", "to_toml"]
 
 
 @dataclass
@@ -395,7 +384,7 @@ class JobConfig:
 
     def validate(self) -> None:
         """Check every field's range and the rules between fields; raise ConfigError on the first."""
-        _check_fields(self, "")
+        check_fields(self)
         m, a, t = self.model, self.model.attention, self.training
         if m.dim % a.n_heads:
             fail("model.attention.n_heads", a.n_heads, f"must divide model.dim = {m.dim}")
@@ -423,122 +412,9 @@ class JobConfig:
             )
 
 
-def fail(key: str, value: Any, why: str) -> typing.NoReturn:
-    """Raise the one-line ConfigError every config check uses: field, bad value, what is wrong."""
-    raise ConfigError(f"config: {key} = {value!r} {why}")
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _is_section(tp: Any) -> bool:
-    return dataclasses.is_dataclass(tp)
-
-
-def _base_type(tp: Any) -> tuple[type, bool]:
-    """(the scalar type, whether None is allowed) of an annotation like `int | None`."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
-        return args[0], True
-    return tp, False
-
-
-def _check_fields(obj: Any, prefix: str) -> None:
-    hints = _field_types(type(obj))
-    for f in dataclasses.fields(obj):
-        key, value = prefix + f.name, getattr(obj, f.name)
-        if _is_section(hints[f.name]):
-            _check_fields(value, key + ".")
-            continue
-        base, optional = _base_type(hints[f.name])
-        if value is None:
-            if not optional:
-                fail(key, value, "must be set")
-            continue
-        if base is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-            setattr(obj, f.name, value)
-        if not isinstance(value, base) or (base is int and isinstance(value, bool)):
-            fail(key, value, f"must be of type {base.__name__}")
-        meta = f.metadata
-        if meta["choices"] and value not in meta["choices"]:
-            fail(key, value, f"is not one of {', '.join(map(repr, meta['choices']))}")
-        bounds = [
-            ("ge", ">=", value >= meta["ge"] if meta["ge"] is not None else True),
-            ("gt", ">", value > meta["gt"] if meta["gt"] is not None else True),
-            ("le", "<=", value <= meta["le"] if meta["le"] is not None else True),
-            ("lt", "<", value < meta["lt"] if meta["lt"] is not None else True),
-        ]
-        for name, symbol, ok in bounds:
-            if not ok:
-                fail(key, value, f"is out of range: must be {symbol} {meta[name]}")
-
-
-def all_keys(cls: type = JobConfig, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of a config class, e.g. 'model.attention.window'."""
-    keys = []
-    hints = _field_types(cls)
-    for f in dataclasses.fields(cls):
-        if _is_section(hints[f.name]):
-            keys += all_keys(hints[f.name], prefix + f.name + ".")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def _unknown_key(key: str) -> typing.NoReturn:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf][:1]
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise ConfigError(f"config: unknown key '{key}'{hint}")
-
-
-def _parse_scalar(key: str, text: str, tp: Any) -> Any:
-    base, optional = _base_type(tp)
-    if optional and text.lower() in ("none", "null", ""):
-        return None
-    try:
-        if base is bool:
-            lowered = text.lower()
-            if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                raise ValueError(text)
-            return lowered in ("true", "1", "yes", "on")
-        return base(text)
-    except ValueError:
-        raise ConfigError(f"config: {key} = {text!r} is not a valid {base.__name__}") from None
-
-
-def _set(cfg: JobConfig, key: str, value: Any, from_text: bool) -> None:
-    parts = key.split(".")
-    obj = cfg
-    for part in parts[:-1]:
-        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
-            _unknown_key(key)
-        obj = getattr(obj, part)
-    names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
-    if parts[-1] not in names:
-        _unknown_key(key)
-    tp = _field_types(type(obj))[parts[-1]]
-    if _is_section(tp):
-        raise ConfigError(
-            f"config: '{key}' is a section; set one of its keys, e.g. "
-            f"'{key}.{dataclasses.fields(tp)[0].name}'"
-        )
-    setattr(obj, parts[-1], _parse_scalar(key, value, tp) if from_text else value)
-
-
-def flatten_keys(table: dict, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}."""
-    flat = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(flatten_keys(value, prefix + key + "."))
-        else:
-            flat[prefix + key] = value
-    return flat
+def all_keys() -> list[str]:
+    """Every dotted leaf key of a job config, e.g. 'model.attention.window'."""
+    return leaf_keys(JobConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
@@ -553,12 +429,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config: {path} is not valid TOML: {err}") from None
         for key, value in flatten_keys(table).items():
-            _set(cfg, key, value, from_text=False)
+            set_key(cfg, key, value, from_text=False)
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         if not sep:
             raise ConfigError(f"config: override {item!r} must look like --section.key=value")
-        _set(cfg, key, value, from_text=True)
+        set_key(cfg, key, value, from_text=True)
     cfg.validate()
     return cfg
 
@@ -567,44 +443,17 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def to_toml(cfg: Any) -> str:
-    """The resolved config as TOML (unset optional fields are written as comments)."""
-    lines: list[str] = []
-
-    def emit(obj: Any, prefix: str) -> None:
-        hints = _field_types(type(obj))
-        scalars = [f for f in dataclasses.fields(obj) if not _is_section(hints[f.name])]
-        if prefix and scalars:
-            lines.append(f"\n[{prefix}]")
-        for f in scalars:
-            value = getattr(obj, f.name)
-            if value is None:
-                lines.append(f"# {f.name} = (unset)")
-            elif isinstance(value, bool):
-                lines.append(f"{f.name} = {str(value).lower()}")
-            elif isinstance(value, str):
-                lines.append(f'{f.name} = "{value}"')
-            else:
-                lines.append(f"{f.name} = {value!r}")
-        for f in dataclasses.fields(obj):
-            if _is_section(hints[f.name]):
-                emit(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
-
-    emit(cfg, "")
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
 def from_dict(table: dict) -> JobConfig:
     """Rebuild a JobConfig from `to_dict` output (as stored in checkpoints)."""
     cfg = JobConfig()
     for key, value in flatten_keys(table).items():
-        _set(cfg, key, value, from_text=False)
+        set_key(cfg, key, value, from_text=False)
     return cfg
 
 
 def render_reference() -> str:
     """docs/config.md: every field with its type, default and meaning."""
-    out = [
+    preamble = [
         "# Configuration reference",
         "",
         "Generated by `python -m megascale.config > docs/config.md`; a test checks it is current.",
@@ -613,45 +462,7 @@ def render_reference() -> str:
         "command line as `--section.key=value` (later wins). `--print-config` shows the result.",
         "",
     ]
-
-    def describe(cls: type, prefix: str) -> None:
-        hints = _field_types(cls)
-        out.extend(
-            [
-                f"## `[{prefix}]`",
-                "",
-                (cls.__doc__ or "").strip(),
-                "",
-                "| key | type | default | meaning |",
-                "|---|---|---|---|",
-            ]
-        )
-        subsections = []
-        for f in dataclasses.fields(cls):
-            if _is_section(hints[f.name]):
-                subsections.append((hints[f.name], f"{prefix}.{f.name}"))
-                continue
-            base, optional = _base_type(hints[f.name])
-            type_name = base.__name__ + (" or unset" if optional else "")
-            meta = f.metadata
-            extra = []
-            if meta["choices"]:
-                extra.append("one of " + ", ".join(f"`{c}`" for c in meta["choices"]))
-            for name, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-                if meta[name] is not None:
-                    extra.append(f"{symbol} {meta[name]}")
-            help_text = meta["help"] + (f" ({'; '.join(extra)})" if extra else "")
-            default = "unset" if f.default is None else f"`{f.default!r}`".replace("'", '"')
-            if f.default is dataclasses.MISSING:
-                default = f"`{f.default_factory()!r}`"
-            out.append(f"| `{f.name}` | {type_name} | {default} | {help_text} |")
-        out.append("")
-        for sub, sub_prefix in subsections:
-            describe(sub, sub_prefix)
-
-    for f in dataclasses.fields(JobConfig):
-        describe(_field_types(JobConfig)[f.name], f.name)
-    return "\n".join(out).rstrip() + "\n"
+    return options.render_reference(JobConfig, preamble)
 
 
 if __name__ == "__main__":
