@@ -1,4 +1,4 @@
-"""`megascale` command line: train, launch, evict, prepare, convert, calibrate.
+"""`megascale` command line: train, launch, executor, evict, prepare, convert, calibrate.
 
 Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
 user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megascale.errors import ConfigError, MegascaleError
+from megascale.resilience import executor as executor_module
 
 OVERRIDES_HELP = (
     "Any config field as --section.key=value (e.g. --model.dim=512 --optim.name=lamb); "
@@ -101,6 +102,18 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     run_dir = prepare_run_dir(cfg.training.run_dir)
     setup_logging(run_dir, make_console(), args.debug, filename="driver.log")
     return Driver(cfg, [*_config_argv(args), *extra], run_dir).run()
+
+
+def cmd_executor(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.observe.progress import make_console, setup_logging
+
+    if extra:
+        raise ConfigError(
+            f"executor takes no config overrides (the driver sends them), got {' '.join(extra)}"
+        )
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(args.run_dir, make_console(), args.debug, filename=f"executor-{args.node}.log")
+    return executor_module.run_executor(args)
 
 
 def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
@@ -195,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(launch)
     launch.set_defaults(run=cmd_launch)
+
+    executor = verbs.add_parser(
+        "executor",
+        help="Serve one node of a `megascale launch` job started with resilience.executors = 'external': "
+        "run on every host (by Slurm, Kubernetes or hand); it joins the driver through its store.",
+    )
+    executor_module.add_arguments(executor)
+    executor.set_defaults(run=cmd_executor)
 
     evict_parser = verbs.add_parser(
         "evict", help="Put a node on the job's blocklist (in training.run_dir): it is never used again."

@@ -288,11 +288,24 @@ class ResilienceConfig:
         1, "Nodes the job runs on; on one machine each is an executor with its own processes.", ge=1
     )
     nproc_per_node: int = option(1, "Training processes per node.", ge=1)
+    executors: str = option(
+        "local",
+        "'local': the driver starts one executor per node on its own machine. 'external': executors are "
+        "started on each host (`megascale executor`, e.g. by srun or a Kubernetes pod; see deploy/) and "
+        "join through the store, which must then be an address they reach (resilience.store).",
+        choices=("local", "external"),
+    )
+    job_id: str | None = option(
+        None,
+        "The job's id, shared by the driver and its executors (`megascale executor --job`); unset: a random "
+        "one. Set it when executors are started elsewhere, e.g. to $SLURM_JOB_ID.",
+    )
     spares: int = option(0, "Extra nodes kept idle to replace evicted ones.", ge=0)
     store: str = option(
         "tcp://127.0.0.1:0",
         "Where heartbeats and commands go: tcp://HOST:PORT (a TCPStore the driver hosts; port 0 picks a free "
-        "one) or redis://HOST:PORT/DB (a Redis server).",
+        "one; with external executors, an address and port they reach) or redis://HOST:PORT/DB (a Redis "
+        "server).",
     )
     heartbeat_interval_s: float = option(1.0, "Seconds between an executor's heartbeats.", gt=0)
     heartbeat_timeout_s: float = option(15.0, "A node whose heartbeat is older than this is lost.", gt=0)
@@ -302,7 +315,8 @@ class ResilienceConfig:
     startup_timeout_s: float = option(
         600.0,
         "The first step of an attempt may take this long (start-up, data preparation, compilation, loading "
-        "the checkpoint) before it counts as a hang.",
+        "the checkpoint) before it counts as a hang; the driver also waits this long for its executors to "
+        "join.",
         gt=0,
     )
     comm_flat_timeout_s: float = option(

@@ -1,7 +1,8 @@
 """The job driver (`megascale launch`): start executors, watch heartbeats, and recover from faults.
 
-One driver per job (paper §4.1-4.3). It hosts the store (or uses Redis), starts one executor per node on
-this machine (on a cluster, executors are started per host and join through the store), and then loops:
+One driver per job (paper §4.1-4.3). It hosts the store (or uses Redis) and finds its executors there:
+it starts one per node on this machine (`resilience.executors = "local"`), or they are started on every
+host and register themselves ("external"; deploy/ has Slurm and Kubernetes examples). Then it loops:
 start an attempt on the healthy nodes, watch their heartbeats, and on a fault stop every node, run the
 self-check diagnostics, evict the nodes that fail (the blocklist lives in the run directory, so an
 evicted node is never reused, even by a new driver), and start the next attempt, which resumes from the
@@ -13,13 +14,13 @@ beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -96,10 +97,12 @@ def _behind(reports: dict[str, dict[str, Any]]) -> list[int]:
     return suspects if len(suspects) < len(reports) else []
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _address_key(address: str | None) -> tuple:
+    """Sorts IPv4 addresses numerically (as torchrun's rendezvous orders nodes), other names after them."""
+    try:
+        return (0, int(ipaddress.ip_address(address or "")))
+    except ValueError:
+        return (1, address or "")
 
 
 class Driver:
@@ -109,10 +112,12 @@ class Driver:
         self.inject = cfg.resilience.inject or os.environ.get(INJECT)
         self.train_args = train_args
         self.run_dir = run_dir
-        self.job = uuid.uuid4().hex[:8]
+        self.job = cfg.resilience.job_id or uuid.uuid4().hex[:8]
         self.events = EventLog(run_dir)
         self.store: ControlStore | None = None
-        self.executors: dict[str, subprocess.Popen] = {}
+        self.executors: dict[str, subprocess.Popen] = {}  # the ones this driver started (local)
+        self.registered: dict[str, dict[str, Any]] = {}  # every executor that joined, by node name
+        self.tickets_read = 0
         self.seq = 0
         self.stop_requested = False
 
@@ -150,15 +155,48 @@ class Driver:
                 start_new_session=True,
             )
 
+    def discover(self) -> None:
+        """Read the registrations of executors that joined since the last call."""
+        joined = self.store.add("registered", 0)
+        while self.tickets_read < joined:
+            info = self.store.fetch(f"node/{self.tickets_read}")
+            if info is None:  # the ticket is taken, the name not yet written
+                return
+            if info["node"] not in self.registered:
+                self.events.write("joined", **info)
+            self.registered[info["node"]] = info
+            self.tickets_read += 1
+
     def healthy_nodes(self) -> list[str]:
-        blocked = set(read_blocklist(self.run_dir))
-        return [node for node, proc in self.executors.items() if node not in blocked and proc.poll() is None]
+        """Nodes not blocked whose executor is alive, in the order torchrun numbers them: by address."""
+        self.discover()
+        blocked, now = set(read_blocklist(self.run_dir)), time.time()
+        healthy = []
+        for node, info in self.registered.items():
+            beat = self._beat(node)
+            alive = beat is not None and now - beat["time"] < self.res.heartbeat_timeout_s
+            if node in self.executors:
+                alive = alive and self.executors[node].poll() is None
+            if alive and node not in blocked:
+                healthy.append((_address_key(info.get("address")), node))
+        return [node for _, node in sorted(healthy)]
+
+    def wait_for_nodes(self) -> list[str]:
+        """The healthy nodes, once every local executor (or, external, resilience.nodes of them) is up."""
+        wanted = len(self.executors) if self.executors else self.res.nodes
+        deadline = time.time() + self.res.startup_timeout_s
+        while len(nodes := self.healthy_nodes()) < wanted and time.time() < deadline:
+            time.sleep(min(0.2, self.res.heartbeat_interval_s))
+        return nodes
 
     # -- one attempt ----------------------------------------------------------------------------------
     def start_attempt(self, nodes: list[str], attempt: int) -> None:
         nproc = self.res.nproc_per_node
-        threads = max(1, (os.cpu_count() or 1) // (nproc * len(nodes)))
-        endpoint = f"127.0.0.1:{_free_port()}"
+        # Local executors share this machine's cores; an external one splits its own host's.
+        threads = max(1, (os.cpu_count() or 1) // (nproc * len(nodes))) if self.executors else None
+        # The first node serves the rendezvous, on a port its last heartbeat found free.
+        first = self._beat(nodes[0])
+        endpoint = f"{first['address'] or first['host']}:{first['free_port']}"
         for node in nodes:
             self._command(
                 node,
@@ -167,6 +205,7 @@ class Driver:
                 nnodes=len(nodes),
                 nproc_per_node=nproc,
                 rdzv_endpoint=endpoint,
+                rdzv_host=node == nodes[0],
                 rdzv_id=f"{self.job}-{attempt}",
                 train_args=self.train_args,
                 threads=threads,
@@ -346,12 +385,15 @@ class Driver:
             spares=self.res.spares,
         )
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        self.start_executors()
+        if self.res.executors == "local":
+            self.start_executors()
         try:
             return self._loop()
         finally:
-            for node in self.executors:
+            self.discover()
+            for node in self.registered:
                 self._command(node, "exit")
+            self._wait_until_left(list(self.registered))
             for proc in self.executors.values():
                 try:
                     proc.wait(timeout=30)
@@ -361,10 +403,20 @@ class Driver:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _wait_until_left(self, nodes: list[str]) -> None:
+        """Until every live executor has said its last word (a TCPStore closes with this driver)."""
+        deadline = time.time() + self.res.heartbeat_timeout_s
+        while time.time() < deadline:
+            beats, now = [self._beat(node) for node in nodes], time.time()
+            live = [beat for beat in beats if beat and now - beat["time"] < self.res.heartbeat_timeout_s]
+            if all(beat["state"] == "left" for beat in live):
+                return
+            time.sleep(0.1)
+
     def _loop(self) -> int:
         attempt = 0
+        nodes = self.wait_for_nodes()[: self.res.nodes]
         while True:
-            nodes = self.healthy_nodes()[: self.res.nodes]
             if not self._layout_fits(len(nodes)):
                 self.events.write("give_up", reason=f"{len(nodes)} healthy nodes cannot run the job's layout")
                 return 1
@@ -401,6 +453,7 @@ class Driver:
                 )
                 return 1
             attempt += 1
+            nodes = self.healthy_nodes()[: self.res.nodes]
             # The newest checkpoint in storage; the ranks may resume from a newer snapshot still in their
             # nodes' memory (`recovered` says where they did).
             self.events.write(

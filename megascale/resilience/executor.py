@@ -1,7 +1,10 @@
 """One executor per node: starts the node's training processes through torchrun and reports a heartbeat.
 
 torchrun (torch.distributed.elastic) runs this node's workers and joins the other nodes through its c10d
-rendezvous, whose endpoint the driver hands out per attempt. The executor adds what MegaScale's executor
+rendezvous, whose endpoint the driver hands out per attempt: a free port on the first node's address,
+which that node's torchrun serves. An executor registers itself in the store when it starts, so the driver
+finds executors started on other hosts (`megascale executor`, by Slurm, Kubernetes or hand) as it finds
+the ones it starts on its own machine. The executor adds what MegaScale's executor
 does on top (paper §4.1): a heartbeat with the node's process states, each rank's step and loss, and the
 log lines that match error keywords; and it obeys the driver's commands (start, stop, diagnose, exit).
 Stop kills the whole torchrun session at once: after a fault, the workers' state is not worth saving
@@ -12,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import ipaddress
+import logging
 import os
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,6 +41,8 @@ ERROR_KEYWORDS = re.compile(
 )
 MAX_ERROR_LINES = 20
 
+log = logging.getLogger("megascale.executor")
+
 
 def local_address(index: int) -> str:
     """A loopback address of its own for local node `index` (all of 127/8 reaches this machine), with
@@ -50,8 +59,9 @@ class Executor:
         run_dir: Path,
         interval_s: float,
         address: str | None = None,
+        connect_timeout_s: float = 30.0,
     ):
-        self.store = open_store(store_url, job=job)
+        self.store = open_store(store_url, job=job, timeout_s=connect_timeout_s)
         self.node = node
         # torchrun's c10d rendezvous numbers the nodes by their address (then by the agent's pid): a stable
         # address keeps each rank on the same node across restarts, where its snapshot buffer is.
@@ -73,6 +83,15 @@ class Executor:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.persister = Persister(self.staging_dir)
         self.persister.start()
+        self.register()
+
+    def register(self) -> None:
+        """Tell the driver this node exists: a ticket from the store's counter, then the node's name under
+        it (the driver reads `node/0` .. `node/<count-1>`)."""
+        ticket = self.store.add("registered", 1) - 1
+        self.store.put(
+            f"node/{ticket}", {"node": self.node, "host": socket.gethostname(), "address": self.address}
+        )
 
     # -- commands -------------------------------------------------------------------------------------
     def start(self, command: dict[str, Any]) -> None:
@@ -82,8 +101,16 @@ class Executor:
         progress_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = progress_dir / "output.log"
         self.log_offset, self.errors = 0, []
+        network = {}
+        interface = interface_of(self.address) if self.address else None
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo otherwise binds to the address its host name resolves to, often not the one the other
+            # nodes reach this one at.
+            network["GLOO_SOCKET_IFNAME"] = interface
+        threads = command.get("threads") or max(1, (os.cpu_count() or 1) // int(command["nproc_per_node"]))
         env = dict(
             os.environ,
+            **network,
             **{
                 HEARTBEAT_DIR: str(progress_dir),
                 ATTEMPT: str(self.attempt),
@@ -92,7 +119,7 @@ class Executor:
                 NODE: self.node,
             },
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-            OMP_NUM_THREADS=str(command.get("threads", 1)),
+            OMP_NUM_THREADS=str(threads),
         )
         torchrun = [
             sys.executable, "-m", "torch.distributed.run",
@@ -100,6 +127,9 @@ class Executor:
             f"--nproc-per-node={command['nproc_per_node']}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={command['rdzv_endpoint']}",
+            # Which node serves the rendezvous is the driver's choice: torchrun's own guess compares the
+            # endpoint with the host name's address, which on a multi-homed host is not the one used.
+            f"--rdzv-conf=is_host={int(command['rdzv_host'])}",
             f"--rdzv-id={command['rdzv_id']}",
             *([f"--local-addr={self.address}"] if self.address else []),
             "--max-restarts=0",
@@ -138,9 +168,11 @@ class Executor:
         self.store.put(f"diag/{self.node}", {"seq": command["seq"], **self.diagnosis})
 
     # -- heartbeat ------------------------------------------------------------------------------------
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self, left: bool = False) -> dict[str, Any]:
         state, exit_code = "idle", None
-        if self.proc is not None:
+        if left:
+            state = "left"
+        elif self.proc is not None:
             exit_code = self.proc.poll()
             state = "running" if exit_code is None else "exited"
         self._scan_log()
@@ -157,6 +189,7 @@ class Executor:
             "pid": self.proc.pid if self.proc else None,
             "workers": workers,
             "io_bytes": io_bytes(workers),
+            "free_port": free_port(self.address),
             "progress": {str(rank): report for rank, report in progress.items()},
             "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
             "snapshots_pending": self.persister.busy(),
@@ -194,13 +227,39 @@ class Executor:
                     self.diagnose(command)
                 elif action == "exit":
                     self.stop()
-                    self.heartbeat()
                     shutil.rmtree(self.staging_dir, ignore_errors=True)
                     with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
                         self.staging_dir.parent.rmdir()
+                    self.heartbeat(left=True)  # the last word: the driver may close the store after it
                     return
             self.heartbeat()
             time.sleep(self.interval_s)
+
+
+def free_port(address: str | None) -> int:
+    """A TCP port free on `address` (all of this host's addresses when None) right now: where this node
+    would serve the next attempt's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind((address or "", 0))
+        return sock.getsockname()[1]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds the IPv4 `address` (None for loopback and unknown addresses)."""
+    try:
+        if ipaddress.ip_address(address).is_loopback:
+            return None
+    except ValueError:
+        return None  # a host name, not an address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                answer = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None
 
 
 def io_bytes(pids: list[int]) -> int:
@@ -229,29 +288,67 @@ def children_alive(pid: int) -> list[int]:
     return alive
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="megascale executor: runs one node's training processes.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The executor's flags (`megascale executor` and `python -m megascale.resilience.executor`)."""
     parser.add_argument("--store", required=True, help="The driver's store URL (tcp://... or redis://...).")
-    parser.add_argument("--job", required=True, help="Job id (the driver's).")
-    parser.add_argument("--node", required=True, help="This node's name.")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--interval", type=float, default=1.0, help="Heartbeat interval, seconds.")
+    parser.add_argument(
+        "--job", required=True, help="The job id: the driver's resilience.job_id (events.jsonl shows it)."
+    )
+    parser.add_argument(
+        "--node",
+        default=socket.gethostname(),
+        help="This node's name, unique in the job (default: host name).",
+    )
+    parser.add_argument(
+        "--run-dir",
+        required=True,
+        type=Path,
+        help="The job's run directory (training.run_dir), on a file system every node shares.",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="Heartbeat interval, seconds (resilience.heartbeat_interval_s).",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=300.0,
+        help="Seconds to wait for the driver's store to come up (executors may start before the driver).",
+    )
     parser.add_argument(
         "--address",
         default=None,
         help="This node's address in torchrun's rendezvous (its --local-addr). Ranks are numbered in the "
         "order of these addresses, so a stable one keeps each rank on its node across restarts. Default: "
-        "the host's name.",
+        "the host's name. Its network interface carries the gloo traffic (GLOO_SOCKET_IFNAME) unless set.",
     )
-    args = parser.parse_args(argv)
-    executor = Executor(args.store, args.job, args.node, args.run_dir, args.interval, args.address)
+
+
+def run_executor(args: argparse.Namespace) -> int:
+    """Serve the driver until it says exit (or SIGTERM)."""
+    executor = Executor(
+        args.store, args.job, args.node, args.run_dir, args.interval, args.address, args.connect_timeout
+    )
     signal.signal(signal.SIGTERM, lambda *_: (executor.stop(), sys.exit(0)))
     try:
         executor.run()
+    except Exception as err:  # noqa: BLE001 (most often the store is gone, and the driver with it)
+        log.error(
+            "executor %s stops its node's processes after %s: %s (the driver's store is %s)",
+            args.node,
+            type(err).__name__,
+            err,
+            args.store,
+        )
+        return 1
     finally:
         executor.stop()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    parser = argparse.ArgumentParser(description="megascale executor: runs one node's training processes.")
+    add_arguments(parser)
+    sys.exit(run_executor(parser.parse_args()))

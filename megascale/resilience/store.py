@@ -1,10 +1,10 @@
 """The control store the driver and executors talk through: torch's TCPStore, or a Redis server.
 
 Heartbeats, commands and diagnostics results are small JSON values under well-known keys (the driver knows
-the node names, so nothing ever lists keys). TCPStore needs no setup: the driver hosts it. Redis
-(`resilience.store = "redis://host:port/db"`) survives the driver and serves thousands of clients; the
-MegaScale paper moved to it for exactly that (§3.5). Only get/set/delete are needed here, so this is a
-thin adapter, not a torch.distributed.Store.
+the node names, or counts them with `add`, so nothing ever lists keys). TCPStore needs no setup: the
+driver hosts it. Redis (`resilience.store = "redis://host:port/db"`) survives the driver and serves
+thousands of clients; the MegaScale paper moved to it for exactly that (§3.5). Only get/set/delete and a
+counter are needed here, so this is a thin adapter, not a torch.distributed.Store.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class ControlStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
     def fetch(self, key: str) -> Any | None: ...
     def delete(self, key: str) -> None: ...
+    def add(self, key: str, amount: int) -> int: ...
 
 
 class TorchStore:
@@ -49,6 +50,10 @@ class TorchStore:
     def delete(self, key: str) -> None:
         self._store.delete_key(key)
 
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add `amount` to the counter `key` (0 if new); its new value."""
+        return int(self._store.add(key, amount))
+
 
 class RedisStore:
     """A Redis server, through redis-py; keys are prefixed by the job so jobs can share a server."""
@@ -70,12 +75,16 @@ class RedisStore:
     def delete(self, key: str) -> None:
         self._redis.delete(self._prefix + key)
 
+    def add(self, key: str, amount: int) -> int:
+        return int(self._redis.incrby(self._prefix + key, amount))
 
-def open_store(url: str, *, job: str, host: bool = False) -> ControlStore:
-    """`tcp://addr:port` (port 0 with host=True picks a free one) or `redis://host:port/db`."""
+
+def open_store(url: str, *, job: str, host: bool = False, timeout_s: float = 30.0) -> ControlStore:
+    """`tcp://addr:port` (port 0 with host=True picks a free one) or `redis://host:port/db`; a TCPStore
+    client waits up to `timeout_s` for the server to come up."""
     parsed = urlparse(url)
     if parsed.scheme == "redis":
         return RedisStore(url, prefix=f"megascale/{job}/")
     if parsed.scheme == "tcp":
-        return TorchStore(parsed.hostname or "127.0.0.1", parsed.port or 0, host=host)
+        return TorchStore(parsed.hostname or "127.0.0.1", parsed.port or 0, host=host, timeout_s=timeout_s)
     raise ValueError(f"resilience.store must be tcp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}")

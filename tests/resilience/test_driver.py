@@ -66,7 +66,8 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
         f"--resilience.inject=kill:rank={rank}:step={step}",
     )
     events = read_events(run_dir)
-    assert kinds(events)[:2] == ["driver", "start"] and kinds(events)[-1] == "done"
+    assert kinds(events)[:4] == ["driver", "joined", "joined", "start"] and kinds(events)[-1] == "done"
+    assert sorted(event["node"] for event in events[1:3]) == ["node-0", "node-1"]
     fault = next(event for event in events if event["event"] == "fault")
     restart = next(event for event in events if event["event"] == "restart")
     assert fault["kind"] == "process_exit" and restart["attempt"] == 1
@@ -81,11 +82,59 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
     recovered = next(e for e in events if e["event"] == "recovered")
     recomputed = (step - 1) - recovered["resumed_from"]
     print(
-        f"fault detected {fault['time'] - events[1]['time']:.1f} s after the start; restarted "
+        f"fault detected {fault['time'] - events[3]['time']:.1f} s after the start; restarted "
         f"{start['time'] - fault['time']:.1f} s after detection; first new step after "
         f"{recovered['time'] - fault['time']:.1f} s; {recomputed} steps recomputed"
     )
     assert 0 <= recomputed < EVERY
+
+
+@pytest.mark.slow
+def test_two_hosts_train_as_one_job_and_recover_a_killed_rank(reference, two_hosts, tiny_corpus, tmp_path):
+    """Executors on two hosts with their own addresses (network namespaces joined by a veth pair), started
+    by hand as Slurm or Kubernetes would; the driver on the first host; rank 3 (second host) killed."""
+    run_dir, store = tmp_path / "two-hosts", f"tcp://{two_hosts.addresses[0]}:29500"
+    args = tiny_args(tiny_corpus, run_dir, tmp_path / "data", *JOB)
+    launch = two_hosts.start(
+        0,
+        [
+            sys.executable, "-m", "megascale.cli", "launch", *args,
+            "--resilience.executors=external", "--resilience.job_id=twohosts", f"--resilience.store={store}",
+            "--resilience.nodes=2", "--resilience.nproc_per_node=2", "--resilience.inject=kill:rank=3:step=6",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    for host, name in enumerate(("host-a", "host-b")):
+        two_hosts.start(
+            host,
+            [
+                sys.executable, "-m", "megascale.cli", "executor", "--store", store, "--job", "twohosts",
+                "--node", name, "--address", two_hosts.addresses[host], "--run-dir", str(run_dir),
+                "--interval", "0.5",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    output, _ = launch.communicate(timeout=400)
+    assert launch.returncode == 0, output[-4000:]
+    events = read_events(run_dir)
+    joined = {event["node"]: event["address"] for event in events if event["event"] == "joined"}
+    assert joined == {"host-a": "10.77.0.1", "host-b": "10.77.0.2"}
+    fault = next(event for event in events if event["event"] == "fault")
+    assert fault["kind"] == "process_exit" and fault["node"] == "host-b"
+    assert kinds(events)[-1] == "done" and losses(run_dir) == reference
+    # Ranks follow the addresses: 0-1 on the first host, 2-3 on the second, in both attempts.
+    for host, ranks in (
+        ("host-a", ["rank-0.json", "rank-1.json"]),
+        ("host-b", ["rank-2.json", "rank-3.json"]),
+    ):
+        for attempt in (0, 1):
+            assert sorted(p.name for p in run_dir.glob(f"nodes/{host}/attempt-{attempt}/rank-*")) == ranks
+    for proc in two_hosts.procs:  # the executors left when the driver said exit
+        assert proc.wait(timeout=60) == 0
 
 
 def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):

@@ -32,6 +32,13 @@ def test_a_put_is_visible_to_other_clients_as_soon_as_it_returns(store_pair):
     assert misses == []
 
 
+def test_counters_count_every_client_once(store_pair):
+    first, second = store_pair
+    key = f"registered-{id(first)}"  # the Redis server is shared by the session's tests
+    tickets = [client.add(key, 1) for client in (first, second, first, second)]
+    assert tickets == [1, 2, 3, 4] and second.add(key, 0) == 4
+
+
 def test_jobs_sharing_a_redis_server_do_not_see_each_other(redis_url):
     first, second = open_store(redis_url, job="a"), open_store(redis_url, job="b")
     first.put("cmd/node-0", {"action": "start"})
