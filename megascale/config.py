@@ -350,8 +350,8 @@ class ResilienceConfig:
     diagnose: bool = option(True, "Run the self-check on every node after a fault and evict those that fail.")
     diagnose_bandwidth: bool = option(
         True,
-        "Include the all-to-all among nproc_per_node fresh local processes in the self-check (a few seconds "
-        "of process start-up per node).",
+        "Include the communication checks in the self-check: an all-to-all among nproc_per_node fresh local "
+        "processes, and an all-reduce between neighbouring nodes (a few seconds of process start-up each).",
     )
     expected_gflops: float | None = option(
         None,
@@ -362,6 +362,11 @@ class ResilienceConfig:
         None,
         "The all-to-all rate (GB/s sent per process) a healthy node reaches in the self-check; unset: "
         "compared with the median of the nodes diagnosed together.",
+    )
+    expected_allreduce_gbps: float | None = option(
+        None,
+        "The rate (GB/s) of a healthy two-node all-reduce in the self-check; unset: compared with the median "
+        "of the links measured together (three or more).",
     )
     min_speed_ratio: float = option(
         0.5, "A node whose self-check rate is below this fraction of the expected one fails.", gt=0, le=1

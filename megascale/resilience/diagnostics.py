@@ -5,8 +5,8 @@ many local processes as the node trains with, timed.
 A node fails when a result is wrong, or when a rate falls below `min_speed_ratio` of what is expected
 of it: the figure in the config when one is set (`resilience.expected_gflops`, `expected_alltoall_gbps`),
 else the median over the nodes diagnosed with it (the driver compares them, `slower_than_peers`), so a
-node markedly slower than its peers is evicted as a straggler would be. The paper's all-reduce with
-neighbour nodes is not here yet: it needs the nodes' executors to form a group with each other.
+node markedly slower than its peers is evicted as a straggler would be. The all-reduce with neighbour
+nodes, which needs two nodes at a time, is in links.py.
 """
 
 from __future__ import annotations

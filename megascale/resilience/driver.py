@@ -35,6 +35,7 @@ from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeColla
 from megascale.resilience.diagnostics import slower_than_peers
 from megascale.resilience.executor import local_address
 from megascale.resilience.inject import INJECT, active_faults
+from megascale.resilience.links import blame, link_rounds
 from megascale.resilience.store import ControlStore, open_store
 
 log = logging.getLogger("megascale.driver")
@@ -355,6 +356,13 @@ class Driver:
         passed = {node: result for node, result in results.items() if result["passed"]}
         for node, reason in slower_than_peers(passed, res.min_speed_ratio).items():
             results[node] = {**results[node], "passed": False, "reason": reason}
+        passed = [node for node in nodes if node in results and results[node]["passed"]]
+        if res.diagnose_bandwidth and len(passed) >= 2:
+            for node, (reason, links) in self.check_links(passed, attempt).items():
+                checks = {**results[node]["checks"], "links": links}
+                results[node] = {**results[node], "checks": checks}
+                if reason:
+                    results[node].update(passed=False, reason=reason)
         failed = []
         for node in nodes:
             if node not in results:
@@ -372,6 +380,41 @@ class Driver:
             if not result["passed"]:
                 failed.append(node)
         return failed
+
+    def check_links(self, nodes: list[str], attempt: int) -> dict[str, tuple[str | None, dict]]:
+        """The all-reduce between neighbouring nodes: {node: (why it is to blame or None, its links)}."""
+        res = self.res
+        seq_before, rounds = self.seq, link_rounds(nodes)
+        addresses = {
+            node: self.registered[node].get("address") or self.registered[node]["host"] for node in nodes
+        }
+        for node in nodes:
+            self._command(
+                node,
+                "link_check",
+                attempt=attempt,
+                inject=self.inject,
+                rounds=rounds,
+                addresses=addresses,
+                check=seq_before,  # the same for every node: names this check's keys in the store
+            )
+        results, deadline = {}, time.time() + res.diagnose_timeout_s
+        while len(results) < len(nodes) and time.time() < deadline:
+            for node in nodes:
+                result = results.get(node) or self.store.fetch(f"links/{node}")
+                if result and result["seq"] > seq_before:
+                    results[node] = result
+            time.sleep(0.2)
+        reports = {node: results[node]["links"] if node in results else {} for node in nodes}
+        blamed, bad_links = blame(reports, res.expected_allreduce_gbps, res.min_speed_ratio)
+        for first, second, why in bad_links:
+            self.events.write(
+                "bad_link", nodes=[first, second], reason=why, blamed=sorted(set(blamed) & {first, second})
+            )
+        silent = {
+            node: "no answer to the all-reduce with its neighbours" for node in nodes if node not in results
+        }
+        return {node: (silent.get(node) or blamed.get(node), reports[node]) for node in nodes}
 
     # -- the job --------------------------------------------------------------------------------------
     def run(self) -> int:

@@ -62,6 +62,7 @@ class Executor:
         connect_timeout_s: float = 30.0,
     ):
         self.store = open_store(store_url, job=job, timeout_s=connect_timeout_s)
+        self.store_url, self.job = store_url, job
         self.node = node
         # torchrun's c10d rendezvous numbers the nodes by their address (then by the agent's pid): a stable
         # address keeps each rank on the same node across restarts, where its snapshot buffer is.
@@ -167,6 +168,12 @@ class Executor:
         self.diagnosis = run_self_check(self.node, command)
         self.store.put(f"diag/{self.node}", {"seq": command["seq"], **self.diagnosis})
 
+    def check_links(self, command: dict[str, Any]) -> None:
+        from megascale.resilience.links import run_link_checks
+
+        links = run_link_checks(self.node, command, self.store_url, self.job, self.address)
+        self.store.put(f"links/{self.node}", {"seq": command["seq"], "links": links})
+
     # -- heartbeat ------------------------------------------------------------------------------------
     def heartbeat(self, left: bool = False) -> dict[str, Any]:
         state, exit_code = "idle", None
@@ -225,6 +232,8 @@ class Executor:
                 elif action == "diagnose":
                     self.stop()
                     self.diagnose(command)
+                elif action == "link_check":
+                    self.check_links(command)
                 elif action == "exit":
                     self.stop()
                     shutil.rmtree(self.staging_dir, ignore_errors=True)

@@ -6,8 +6,9 @@ Faults a training process injects into itself:
 - hang:rank=R:step=S      stop making progress at step S (sleep, holding its peers in the next collective)
 - nan:step=S              make step S's loss NaN on every rank
 - slow:rank=R:factor=F    stretch every step of rank R to F times its length (from step S with :step=S)
-Faults the executor and checkpoints take (resilience/executor.py, resilience/diagnostics.py):
+Faults the executor and checkpoints take (resilience/diagnostics.py, resilience/links.py):
 - diagnose_fail:node=N    node N fails its self-check
+- link_fail:node=N        node N's data is damaged in the all-reduce with its neighbour nodes
 - corrupt_checkpoint      truncate a shard of the newest checkpoint before the restart
 A fault fires in the first attempt only (`attempt=K` picks another), so a restart replays cleanly.
 """
@@ -23,7 +24,7 @@ from megascale.errors import ConfigError
 
 INJECT = "MEGASCALE_INJECT"
 ATTEMPT = "MEGASCALE_ATTEMPT"
-KINDS = {"kill", "hang", "nan", "slow", "diagnose_fail", "corrupt_checkpoint"}
+KINDS = {"kill", "hang", "nan", "slow", "diagnose_fail", "link_fail", "corrupt_checkpoint"}
 
 
 @dataclass(frozen=True)

@@ -30,3 +30,10 @@ def test_a_node_markedly_slower_than_its_peers_is_named():
     assert list(slower_than_peers(results, 0.5)) == ["node-2"]
     two = {"node-0": result(100, 1.0), "node-1": result(10, 1.0)}
     assert slower_than_peers(two, 0.5) == {}  # which of two is the slow one is not knowable
+
+
+def test_an_injected_failure_fails_only_the_named_node():
+    command = {"inject": "diagnose_fail:node=1", "bandwidth": False}
+    assert run_self_check("node-0", command)["passed"]
+    result = run_self_check("node-1", command)
+    assert not result["passed"] and "injected" in result["reason"]

@@ -270,21 +270,30 @@ def test_nan_rollback_restarts_from_the_checkpoint(tiny_corpus, tmp_path):
 
 @pytest.mark.slow
 def test_a_node_failing_diagnostics_is_evicted_and_replaced_by_a_spare(tiny_corpus, tmp_path):
+    # Three nodes, so the all-reduce between neighbours can tell which one damages the data.
     run_dir = run(
         "launch",
         tiny_corpus,
         tmp_path,
         "evict",
-        "--resilience.nodes=2",
+        "--resilience.nodes=3",
         "--resilience.nproc_per_node=1",
         "--resilience.spares=1",
-        "--resilience.inject=kill:rank=0:step=3,diagnose_fail:node=1",
-        "--parallel.dp_shard=2",
+        "--resilience.inject=kill:rank=0:step=3,link_fail:node=1",
+        "--parallel.dp_shard=3",
+        "--training.global_batch_size=6",
     )
     events = read_events(run_dir)
+    bad_links = [event for event in events if event["event"] == "bad_link"]
+    assert sorted(map(tuple, (e["nodes"] for e in bad_links))) == [("node-0", "node-1"), ("node-1", "node-2")]
+    assert all(event["blamed"] == ["node-1"] for event in bad_links)
+    diagnosis = {e["node"]: e for e in events if e["event"] == "diagnosis"}
+    assert diagnosis["node-0"]["checks"]["links"]["node-2"]["ok"] and diagnosis["node-0"]["passed"]
+    assert not diagnosis["node-1"]["passed"] and "every neighbour" in diagnosis["node-1"]["reason"]
     assert [e["node"] for e in events if e["event"] == "evict"] == ["node-1"]
     starts = [e for e in events if e["event"] == "start"]
-    assert starts[0]["nodes"] == ["node-0", "node-1"] and starts[1]["nodes"] == ["node-0", "node-2"]
+    assert starts[0]["nodes"] == ["node-0", "node-1", "node-2"]
+    assert starts[1]["nodes"] == ["node-0", "node-2", "node-3"]
     assert read_blocklist(run_dir) == ["node-1"] and kinds(events)[-1] == "done"
 
 
