@@ -189,7 +189,7 @@ def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp
 
 
 @pytest.mark.slow
-def test_a_rank_turning_slow_is_reported_as_a_step_time_collapse(tiny_corpus, tmp_path):
+def test_a_rank_turning_slow_is_a_step_time_collapse_and_restarted(tiny_corpus, tmp_path):
     run_dir = run(
         "launch",
         tiny_corpus,
@@ -201,6 +201,7 @@ def test_a_rank_turning_slow_is_reported_as_a_step_time_collapse(tiny_corpus, tm
         "--resilience.inject=slow:rank=1:factor=10:step=16",
         "--resilience.heartbeat_interval_s=0.2",
         "--resilience.anomaly_window=10",
+        "--resilience.anomaly_action=restart",
     )
     events = read_events(run_dir)
     (collapse,) = [event for event in events if event["event"] == "slow_steps"]
@@ -209,7 +210,13 @@ def test_a_rank_turning_slow_is_reported_as_a_step_time_collapse(tiny_corpus, tm
         f"reported at step {collapse['step']}"
     )
     assert collapse["step"] >= 16 and collapse["step_time_s"] > 3 * collapse["median_s"]
-    assert collapse["action"] == "warn" and "fault" not in kinds(events) and kinds(events)[-1] == "done"
+    assert collapse["action"] == "restart"
+    fault = next(event for event in events if event["event"] == "fault")
+    assert fault["kind"] == "slow_steps" and fault["step"] == collapse["step"]
+    # The injected slowness is in the first attempt only: the restart runs at full speed to the end.
+    assert 12 <= next(e for e in events if e["event"] == "restart")["checkpoint_step"] <= fault["step"]
+    assert kinds(events).count("slow_steps") == 1 and kinds(events)[-1] == "done"
+    assert max(losses(run_dir)) == 30
 
 
 def _processes_of(run_dir):
