@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +65,35 @@ def pending(root: Path) -> list[Path]:
     return sorted(path.parent for path in root.glob(f"*/{READY}")) if root.is_dir() else []
 
 
-def persist(staged: Path, marker_timeout_s: float = 600.0) -> str:
+def abandon_marker(save_id: str) -> str:
+    """The file that tells a coordinator waiting on save `save_id` to give up (see `abandon`)."""
+    return f".abandoned-{save_id}"
+
+
+def abandon(final: str, save_id: str) -> None:
+    """Make the coordinator waiting on the other nodes' markers of this save stop without committing: the
+    driver does this once every node's training processes are gone and no other node still persists, so
+    the missing markers can never come (a node died before its share was ready)."""
+    fs, path = split_location(final)
+    with fs.open(join(path, abandon_marker(save_id)), "w") as marker:
+        marker.write("")
+
+
+def persist(
+    staged: Path,
+    marker_timeout_s: float = 600.0,
+    on_wait: Callable[[dict[str, str] | None], None] | None = None,
+) -> str:
     """Copy this node's files of one snapshot to its final location; commit if this node coordinates.
-    The snapshot leaves host memory either way: a failed one is not retried (the next one is due)."""
+    The snapshot leaves host memory either way: a failed one is not retried (the next one is due).
+    `on_wait` hears {'final', 'save_id'} while the coordinator waits for the other nodes, then None."""
     try:
-        return _persist(staged, marker_timeout_s)
+        return _persist(staged, marker_timeout_s, on_wait or (lambda waiting: None))
     finally:
         shutil.rmtree(staged, ignore_errors=True)
 
 
-def _persist(staged: Path, marker_timeout_s: float) -> str:
+def _persist(staged: Path, marker_timeout_s: float, on_wait: Callable[[dict[str, str] | None], None]) -> str:
     ready = json.loads((staged / READY).read_text())
     final, save_id = ready["final"], ready["save_id"]
     fs, path = split_location(final)
@@ -93,7 +113,11 @@ def _persist(staged: Path, marker_timeout_s: float) -> str:
     with fs.open(join(path, f".node-{save_id}-{ready['node']}.json"), "w") as marker:
         marker.write(json.dumps(files))
     if (staged / ".metadata").exists():
-        _commit_when_all_nodes_are_in(final, ready, marker_timeout_s)
+        on_wait({"final": final, "save_id": save_id})
+        try:
+            _commit_when_all_nodes_are_in(final, ready, marker_timeout_s)
+        finally:
+            on_wait(None)
     return final
 
 
@@ -102,11 +126,15 @@ def _commit_when_all_nodes_are_in(final: str, ready: dict[str, Any], timeout_s: 
     prefix = f".node-{ready['save_id']}-"
     deadline = time.monotonic() + timeout_s
     while True:
-        markers = [
-            entry for entry in fs.ls(path, detail=False) if entry.rsplit("/", 1)[-1].startswith(prefix)
-        ]
+        names = [entry.rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+        markers = [join(path, name) for name in names if name.startswith(prefix)]
         if len(markers) >= ready["nodes"]:
             break
+        if abandon_marker(ready["save_id"]) in names:
+            raise RuntimeError(
+                f"{len(markers)} of {ready['nodes']} nodes persisted {final} and the others never will "
+                "(their processes died first); not committed"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(markers)} of {ready['nodes']} nodes persisted {final}; not committed")
         time.sleep(0.1)
@@ -116,30 +144,35 @@ def _commit_when_all_nodes_are_in(final: str, ready: dict[str, Any], timeout_s: 
             files.update(json.load(file))
     commit(final, ready["descriptor"], files)
     for entry in fs.ls(path, detail=False):
-        if entry.rsplit("/", 1)[-1].startswith(".node-"):
+        if entry.rsplit("/", 1)[-1].startswith((".node-", ".abandoned-")):
             fs.rm(entry)
     log.info("checkpoint: committed step %d to %s", ready["descriptor"]["step"], final)
     prune(final.rstrip("/").rsplit("/", 1)[0], ready["keep"])
 
 
 class Persister(threading.Thread):
-    """Persists every snapshot that appears under a staging root, in step order (the executor's)."""
+    """Persists every snapshot that appears under a staging root, in step order (the executor's).
+    `waiting` is the save whose coordinator waits for the other nodes' markers, if any."""
 
     def __init__(self, root: Path, interval_s: float = 0.2):
         super().__init__(name="megascale-persister", daemon=True)
         self.root = root
         self.interval_s = interval_s
         self.errors: list[str] = []
+        self.waiting: dict[str, str] | None = None
 
     def run(self) -> None:
         while True:
             for staged in pending(self.root):
                 try:
-                    persist(staged)
+                    persist(staged, on_wait=self._set_waiting)
                 except Exception as err:  # noqa: BLE001 (reported in the heartbeat)
                     self.errors.append(f"persisting {staged.name}: {err}")
                     log.error("checkpoint: persisting %s failed: %s", staged, err)
             time.sleep(self.interval_s)
+
+    def _set_waiting(self, waiting: dict[str, str] | None) -> None:
+        self.waiting = waiting
 
     def busy(self) -> int:
         return len(pending(self.root))

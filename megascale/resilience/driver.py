@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale.checkpoint.persist import abandon
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
 from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
@@ -310,14 +311,34 @@ class Driver:
         return None
 
     def wait_for_snapshots(self, nodes: list[str], timeout_s: float = 600.0) -> None:
-        """Until every node's executor has persisted the snapshots its training processes left."""
-        deadline = time.time() + timeout_s
+        """Until every node's executor has persisted the snapshots its training processes left.
+
+        Call it with the training processes stopped. A coordinator still waiting for other nodes' share of
+        a save while no other node persists anything waits for shares that can never come (those nodes
+        died before theirs was ready): once that has held for a while, the save is abandoned."""
+        deadline, stuck_since = time.time() + timeout_s, None
+        grace_s = 2 * self.res.heartbeat_interval_s + 1.0  # a share written just now is seen by then
         while time.time() < deadline:
             time.sleep(self.res.heartbeat_interval_s)
             now, beats = time.time(), [self._beat(node) for node in nodes]
             live = [beat for beat in beats if beat and now - beat["time"] < self.res.heartbeat_timeout_s]
-            if not any(beat.get("snapshots_pending") for beat in live):  # a dead executor persists nothing
+            busy = [
+                beat for beat in live if beat.get("snapshots_pending")
+            ]  # a dead executor persists nothing
+            if not busy:
                 return
+            waiting = [beat["snapshot_waiting"] for beat in busy if beat.get("snapshot_waiting")]
+            if len(waiting) < len(busy):
+                stuck_since = None
+            elif stuck_since is None:
+                stuck_since = now
+            elif now - stuck_since > grace_s:
+                for save in waiting:
+                    abandon(save["final"], save["save_id"])
+                    self.events.write(
+                        "abandoned", checkpoint=save["final"], reason="a node died before its share"
+                    )
+                stuck_since = None
 
     def stop_nodes(self, nodes: list[str], action: str = "stop") -> None:
         for node in nodes:

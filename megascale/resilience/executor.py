@@ -200,6 +200,7 @@ class Executor:
             "progress": {str(rank): report for rank, report in progress.items()},
             "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
             "snapshots_pending": self.persister.busy(),
+            "snapshot_waiting": self.persister.waiting,
         }
         self.store.put(f"hb/{self.node}", beat)
         return beat

@@ -125,3 +125,38 @@ def test_any_fsspec_location(tmp_path):
     assert verify(location) is None
     for name, value in restored(location).state_dict().items():
         assert torch.equal(value, model.state_dict()[name])
+
+
+def test_a_coordinator_waiting_for_a_node_that_died_gives_up_when_abandoned(tmp_path):
+    """Two nodes; the other one died before its share was ready, so only the coordinator's marker comes."""
+    import threading
+    import time
+
+    staged = tmp_path / "staging" / "step-00000004"
+    staged.mkdir(parents=True)
+    (staged / ".metadata").write_bytes(b"m")
+    (staged / "__0_0.distcp").write_bytes(b"x" * 100)
+    final = str(tmp_path / "checkpoints" / "step-00000004")
+    persist_module.mark_ready(
+        staged, final=final, descriptor={"step": 4}, keep=3, save_id="s1", nodes=2, node="node-0"
+    )
+    heard, outcome = [], {}
+
+    def run():
+        try:
+            persist_module.persist(staged, marker_timeout_s=60, on_wait=heard.append)
+        except RuntimeError as err:
+            outcome["error"] = str(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert heard == [{"final": final, "save_id": "s1"}]
+    started = time.monotonic()
+    persist_module.abandon(final, "s1")
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - started < 2
+    assert "1 of 2 nodes persisted" in outcome["error"] and heard[-1] is None
+    assert list_checkpoints(tmp_path / "checkpoints") == [] and not staged.exists()

@@ -94,3 +94,32 @@ def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
         assert (fault is not None) == expect_fault
         if fault is not None:
             assert fault.kind == "loss_spike" and fault.last_progress_step == 9
+
+
+def test_a_save_waiting_for_a_dead_nodes_share_is_abandoned_and_the_driver_goes_on(tmp_path):
+    import time
+
+    from megascale.checkpoint.persist import abandon_marker
+    from megascale.config import load_config
+    from megascale.resilience.driver import Driver
+
+    final = tmp_path / "checkpoints" / "step-00000008"
+    final.mkdir(parents=True)
+
+    class Beats:
+        """node-0 coordinates save s8 until it is abandoned; node-1 has nothing left to persist."""
+
+        def fetch(self, key):
+            waiting = not (final / abandon_marker("s8")).exists()
+            coordinator = {"snapshots_pending": 1, "snapshot_waiting": {"final": str(final), "save_id": "s8"}}
+            beat = coordinator if key == "hb/node-0" and waiting else {"snapshots_pending": 0}
+            return {"time": time.time(), **beat}
+
+    cfg = load_config(overrides=["--resilience.heartbeat_interval_s=0.1"])
+    driver = Driver(cfg, [], tmp_path)
+    driver.store = Beats()
+    started = time.monotonic()
+    driver.wait_for_snapshots(["node-0", "node-1"], timeout_s=30)
+    assert time.monotonic() - started < 5
+    (event,) = read_events(tmp_path)
+    assert event["event"] == "abandoned" and event["checkpoint"] == str(final)
