@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megascale.errors import ConfigError, MegascaleError
 from megascale.resilience import executor as executor_module
@@ -98,10 +99,29 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(args, extra)
     res = cfg.resilience
     ParallelDims.from_config(cfg, world_size=res.nodes * res.nproc_per_node)  # a bad layout fails here
+    if res.executors == "external":
+        _check_external(res)
     check_spec(res.inject or os.environ.get(INJECT))
     run_dir = prepare_run_dir(cfg.training.run_dir)
     setup_logging(run_dir, make_console(), args.debug, filename="driver.log")
     return Driver(cfg, [*_config_argv(args), *extra], run_dir).run()
+
+
+def _check_external(res: Any) -> None:
+    """Executors on other hosts must find the driver's store and know the job's id before it starts."""
+    from urllib.parse import urlparse
+
+    if res.job_id is None:
+        raise ConfigError(
+            "config: resilience.job_id must be set with resilience.executors = 'external' (every executor's "
+            "--job gives the same id), e.g. --resilience.job_id=$SLURM_JOB_ID"
+        )
+    store = urlparse(res.store)
+    if store.scheme == "tcp" and not store.port:
+        raise ConfigError(
+            f"config: resilience.store = {res.store!r} needs a fixed port with resilience.executors = "
+            "'external' (the executors must know it), e.g. tcp://HEAD_HOST:29500"
+        )
 
 
 def cmd_executor(args: argparse.Namespace, extra: list[str]) -> int:

@@ -36,6 +36,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_staging(tmp_path_factory):
+    """The same for module- and session-scoped fixtures, which run before any test's own setting."""
+    saved = os.environ.get("MEGASCALE_STAGING_DIR")
+    os.environ["MEGASCALE_STAGING_DIR"] = str(tmp_path_factory.getbasetemp() / "staging")
+    yield
+    if saved is None:
+        os.environ.pop("MEGASCALE_STAGING_DIR", None)
+    else:
+        os.environ["MEGASCALE_STAGING_DIR"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _isolated_staging(tmp_path, monkeypatch):
     """Checkpoint snapshots and staging go under the test's directory, not the machine's /dev/shm, so a

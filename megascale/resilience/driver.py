@@ -14,7 +14,6 @@ beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
@@ -99,12 +98,9 @@ def _behind(reports: dict[str, dict[str, Any]]) -> list[int]:
     return suspects if len(suspects) < len(reports) else []
 
 
-def _address_key(address: str | None) -> tuple:
-    """Sorts IPv4 addresses numerically (as torchrun's rendezvous orders nodes), other names after them."""
-    try:
-        return (0, int(ipaddress.ip_address(address or "")))
-    except ValueError:
-        return (1, address or "")
+def _address_key(info: dict[str, Any]) -> str:
+    """What torchrun's c10d rendezvous numbers the nodes by: their address as a string."""
+    return info.get("address") or info.get("host") or ""
 
 
 class Driver:
@@ -170,7 +166,7 @@ class Driver:
             self.tickets_read += 1
 
     def healthy_nodes(self) -> list[str]:
-        """Nodes not blocked whose executor is alive, in the order torchrun numbers them: by address."""
+        """Nodes not blocked whose executor is alive, in the order torchrun numbers them (by address)."""
         self.discover()
         blocked, now = set(read_blocklist(self.run_dir)), time.time()
         healthy = []
@@ -180,7 +176,7 @@ class Driver:
             if node in self.executors:
                 alive = alive and self.executors[node].poll() is None
             if alive and node not in blocked:
-                healthy.append((_address_key(info.get("address")), node))
+                healthy.append((_address_key(info), node))
         return [node for _, node in sorted(healthy)]
 
     def wait_for_nodes(self) -> list[str]:
@@ -440,6 +436,12 @@ class Driver:
     # -- the job --------------------------------------------------------------------------------------
     def run(self) -> int:
         self.store = open_store(self.res.store, job=self.job, host=True)
+        if self.store.fetch("driver") is not None:  # a Redis server keeps a finished job's keys
+            raise ConfigError(
+                f"resilience.job_id = {self.job!r} was used by an earlier driver on {self.res.store}; "
+                "give this run a new id"
+            )
+        self.store.put("driver", {"job": self.job, "time": time.time()})  # executors check they joined us
         self.events.write(
             "driver",
             job=self.job,

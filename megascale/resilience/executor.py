@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister
+from megascale.errors import ConfigError
 from megascale.resilience.client import HEARTBEAT_DIR, read_progress
 from megascale.resilience.inject import ATTEMPT
 from megascale.resilience.store import open_store
@@ -63,6 +64,7 @@ class Executor:
     ):
         self.store = open_store(store_url, job=job, timeout_s=connect_timeout_s)
         self.store_url, self.job = store_url, job
+        self._check_driver(connect_timeout_s)
         self.node = node
         # torchrun's c10d rendezvous numbers the nodes by their address (then by the agent's pid): a stable
         # address keeps each rank on the same node across restarts, where its snapshot buffer is.
@@ -85,6 +87,22 @@ class Executor:
         self.persister = Persister(self.staging_dir)
         self.persister.start()
         self.register()
+
+    def _check_driver(self, timeout_s: float) -> None:
+        """Wait for the driver's mark in the store; refuse another job's driver (a TCPStore is not
+        divided by job, so a wrong --job would otherwise go unnoticed)."""
+        deadline = time.monotonic() + timeout_s
+        while (driver := self.store.fetch("driver")) is None:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"executor: no driver of job {self.job!r} came up on {self.store_url} in "
+                    f"{timeout_s:.0f} s (--job must be the driver's resilience.job_id)"
+                )
+            time.sleep(0.2)
+        if driver["job"] != self.job:
+            raise ConfigError(
+                f"executor: the driver on {self.store_url} runs job {driver['job']!r}, not --job {self.job!r}"
+            )
 
     def register(self) -> None:
         """Tell the driver this node exists: a ticket from the store's counter, then the node's name under

@@ -48,3 +48,38 @@ def test_jobs_sharing_a_redis_server_do_not_see_each_other(redis_url):
 def test_a_bad_store_url_names_the_forms():
     with pytest.raises(ValueError, match="tcp://HOST:PORT or redis://HOST:PORT/DB"):
         open_store("http://x", job="j")
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["--resilience.store=tcp://10.0.0.1:29500"], ["resilience.job_id must be set", "SLURM_JOB_ID"]),
+        (["--resilience.job_id=j1"], ["needs a fixed port", "tcp://HEAD_HOST:29500"]),
+    ],
+)
+def test_external_executors_need_a_job_id_and_a_fixed_store_port(capsys, tmp_path, overrides, needles):
+    from megascale.cli import main
+
+    run_dir = f"--training.run_dir={tmp_path / 'run'}"
+    status = main(["launch", "--resilience.executors=external", run_dir, *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and all(needle in err[0] for needle in needles), err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_an_executor_refuses_another_jobs_driver_and_a_driver_refuses_a_used_job_id(redis_url, tmp_path):
+    from megascale.config import load_config
+    from megascale.errors import ConfigError
+    from megascale.resilience.driver import Driver
+    from megascale.resilience.executor import Executor
+
+    tcp = open_store("tcp://127.0.0.1:0", job="ours", host=True)
+    tcp.put("driver", {"job": "ours", "time": 0})
+    with pytest.raises(ConfigError, match="runs job 'ours', not --job 'theirs'"):
+        Executor(tcp.url, "theirs", "node-0", tmp_path, 1.0, connect_timeout_s=5)
+    with pytest.raises(ConfigError, match="no driver of job 'late' came up"):
+        Executor(redis_url, "late", "node-0", tmp_path, 1.0, connect_timeout_s=0.5)
+    cfg = load_config(overrides=[f"--resilience.store={redis_url}", "--resilience.job_id=reused"])
+    open_store(redis_url, job="reused").put("driver", {"job": "reused", "time": 0})  # an earlier run's
+    with pytest.raises(ConfigError, match="was used by an earlier driver"):
+        Driver(cfg, [], tmp_path).run()
