@@ -1,4 +1,4 @@
-"""`megascale` command line: train, launch, executor, evict, prepare, convert, calibrate.
+"""`megascale` command line: train, launch, executor, trace, evict, prepare, convert, calibrate.
 
 Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
 user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
@@ -136,6 +136,15 @@ def cmd_executor(args: argparse.Namespace, extra: list[str]) -> int:
     return executor_module.run_executor(args)
 
 
+def cmd_trace_merge(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.observe.trace import merge_traces
+
+    if extra:
+        raise ConfigError(f"trace merge takes no config overrides, got {' '.join(extra)}")
+    print(f"wrote {merge_traces(args.run_dir, out=args.out)}")
+    return 0
+
+
 def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.resilience.driver import evict
 
@@ -236,6 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     executor_module.add_arguments(executor)
     executor.set_defaults(run=cmd_executor)
+
+    trace = verbs.add_parser("trace", help="Work with the ranks' timelines (docs/observability.md).")
+    trace_verbs = trace.add_subparsers(dest="trace_verb", metavar="WHAT", required=True)
+    merge = trace_verbs.add_parser(
+        "merge",
+        help="Merge every rank's trace of a run into one Chrome trace JSON (open it in ui.perfetto.dev), "
+        "ranks grouped by pipeline stage, data- and tensor-parallel rank.",
+    )
+    merge.add_argument("run_dir", type=Path, help="The run directory (training.run_dir).")
+    merge.add_argument(
+        "--out", type=Path, help="Where to write (default: merged.json in the newest trace session)."
+    )
+    merge.set_defaults(run=cmd_trace_merge)
 
     evict_parser = verbs.add_parser(
         "evict", help="Put a node on the job's blocklist (in training.run_dir): it is never used again."

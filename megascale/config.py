@@ -221,6 +221,18 @@ class MetricsConfig:
         True,
         "Show a live progress display (off when stdout is not a terminal prints plain log lines instead).",
     )
+    timeline: bool = option(
+        True,
+        "Record every rank's timeline (the step's phases, every collective and wait) to "
+        "<run_dir>/traces as Chrome trace JSON, and log each step's time by kind (docs/observability.md).",
+    )
+    straggler_ratio: float = option(
+        1.3,
+        "A rank whose compute time is above this multiple of its peers' median (ranks of the same pipeline "
+        "stage), over straggler_window steps, is named a straggler; 0 turns it off. Needs the timeline.",
+        ge=0,
+    )
+    straggler_window: int = option(20, "Steps over which the straggler detector takes medians.", ge=1)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,12 @@ from megascale.data import build_dataloaders
 from megascale.errors import CheckpointError, ConfigError, NonFiniteError
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
+from megascale.observe.collectives import record_collectives
 from megascale.observe.metrics import MetricsWriter
 from megascale.observe.peak import Peak, calibrate, peak_for
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
+from megascale.observe.stragglers import StragglerDetector
+from megascale.observe.timeline import Timeline, session_dir
 from megascale.optim import build_lr_scheduler, build_optimizer
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
@@ -62,6 +66,7 @@ class StepMetrics:
     lr: float
     step_time_s: float
     data_wait_s: float
+    breakdown: dict[str, float]  # compute / exposed communication / bubble / other, from the timeline
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -223,6 +228,17 @@ class Trainer(Stateful):
         self.resumed_from = self.step  # reported to the driver, which logs where a restart took up
         if cfg.checkpoint.enabled:
             self.checkpointer.prepare(self.checkpoint_state())
+        traces = session_dir(self.run_dir, self.step) if cfg.metrics.timeline else None
+        self.timeline = Timeline(traces, self.rank, dims.coordinates(self.mesh), device=self.device)
+        self.timeline.sync_clock(dist.barrier if dist.is_initialized() else None)
+        record_collectives(self.timeline)
+        self.rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
+        self.stragglers = StragglerDetector(
+            dims.stage_of_ranks(self.mesh), cfg.metrics.straggler_window, cfg.metrics.straggler_ratio
+        )
+        for stage in self.parallel_model.stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "forward", stage.stage_index)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "backward", stage.stage_index)
 
     @property
     def model(self) -> nn.Module:
@@ -280,6 +296,7 @@ class Trainer(Stateful):
                     step_time_s=metrics.step_time_s,
                     last_nonfinite_step=self._last_nonfinite_step,  # sticky: the driver reads now and then
                     resumed_from=self.resumed_from,
+                    stragglers=record.get("stragglers", []),  # the driver makes them eviction candidates
                 )
                 last = self.step == training.steps
                 if (self.step % training.val_every == 0 or last) and self.val_loader.num_sequences:
@@ -301,6 +318,8 @@ class Trainer(Stateful):
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
         self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
+        record_collectives(None)
+        self.timeline.close()
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
         return summary
@@ -308,15 +327,18 @@ class Trainer(Stateful):
     def train_step(self) -> StepMetrics:
         """One optimizer step over `global_batch_size` sequences (gradient accumulation), clipped."""
         started = time.perf_counter()
+        started_ns = time.perf_counter_ns()
+        self.timeline.begin_step()
         self.injector.before_step(self.step + 1)
         self._loss_scale = self.injector.loss_scale(self.step + 1)
         for part in self.model_parts:
             part.train()
         data_wait_s = 0.0
         batches = []
-        for _ in range(self.grad_accum_steps):
+        for index in range(self.grad_accum_steps):
             fetch_started = time.perf_counter()
-            inputs, labels = next(self.train_loader)
+            with self.timeline.span("data", micro_batch=index):
+                inputs, labels = next(self.train_loader)
             data_wait_s += time.perf_counter() - fetch_started
             batches.append((inputs.to(self.device), labels.to(self.device)))
         with loss_context(self.parallel_dims.tp > 1):
@@ -324,29 +346,56 @@ class Trainer(Stateful):
                 local_loss = self._pipeline_step(batches)
             else:
                 local_loss = torch.zeros((), device=self.device)
-                for inputs, labels in batches:
-                    loss = self.loss(inputs, labels) * self._loss_scale / self.grad_accum_steps
-                    loss.backward()
+                for index, (inputs, labels) in enumerate(batches):
+                    with self._phase("forward", micro_batch=index):
+                        loss = self.loss(inputs, labels) * self._loss_scale / self.grad_accum_steps
+                    with self._phase("backward", micro_batch=index):
+                        loss.backward()
                     local_loss += full_tensor(loss.detach())
-        grad_norm = self.clip_gradients()
+        with self._phase("clip"):
+            grad_norm = self.clip_gradients()
         lr = self.optimizers[0].param_groups[0]["lr"]
         finite = bool(torch.isfinite(grad_norm))  # the norm is global: every rank decides alike
         if not finite:
             self._on_nonfinite(grad_norm)
-        for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
-            if finite:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-        self.injector.after_step(self.step + 1, time.perf_counter() - started)
-        loss_value = self._job_mean(local_loss, agree_on_stop=True).item()  # one sync per step
+        with self._phase("optimizer"):
+            for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
+                if finite:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+        # One sync per step; it also carries every rank's compute time to every rank (stragglers).
+        compute_s = self.timeline.step.compute_s if self.timeline.enabled else None
+        loss_value = self._job_mean(local_loss, agree_on_stop=True, compute_s=compute_s).item()
+        step_time_s = time.perf_counter() - started
+        self.timeline.add("step", "step", started_ns, time.perf_counter_ns(), {"step": self.step + 1})
         return StepMetrics(
             loss=loss_value,
             grad_norm=grad_norm.item(),
             lr=lr,
-            step_time_s=time.perf_counter() - started,
+            step_time_s=step_time_s,
             data_wait_s=data_wait_s,
+            breakdown=self.timeline.step.as_metrics(step_time_s, data_wait_s)
+            if self.timeline.enabled
+            else {},
         )
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, **args: Any):
+        """A span of compute on the timeline; an injected slow rank (`slow` fault) stretches it."""
+        with self.timeline.span(name, **args):
+            started = time.perf_counter()
+            yield
+            self.injector.stretch(self.step + 1, time.perf_counter() - started)
+
+    def _timed(self, run_chunk: Callable[..., Any], name: str, chunk: int) -> Callable[..., Any]:
+        """A pipeline stage's forward_one_chunk / backward_one_chunk, as a phase of the timeline."""
+
+        def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            with self._phase(name, micro_batch=chunk_id, chunk=chunk):
+                return run_chunk(chunk_id, *args, **kwargs)
+
+        return timed
 
     def _on_nonfinite(self, grad_norm: torch.Tensor) -> None:
         """A NaN/inf gradient norm: skip this update, or (nan_policy = rollback) end the process so that
@@ -387,26 +436,36 @@ class Trainer(Stateful):
             return torch.zeros((), device=self.device)
         return torch.stack([full_tensor(loss.detach()) for loss in losses]).mean()
 
-    def _job_mean(self, local: torch.Tensor, agree_on_stop: bool = False) -> torch.Tensor:
+    def _job_mean(
+        self, local: torch.Tensor, agree_on_stop: bool = False, compute_s: float | None = None
+    ) -> torch.Tensor:
         """The job-wide mean of a per-data-parallel-rank value held on the last stage (and the same on
         every tensor-parallel rank): one all-reduce over all ranks, every rank getting the result.
 
         With `agree_on_stop`, whether any rank has been asked to stop travels in the same all-reduce and
         sets `_stop_agreed` alike on every rank: a signal that lands on one rank just after the all-reduce
-        is acted on a step later by all of them, never by that rank alone."""
+        is acted on a step later by all of them, never by that rank alone. `compute_s`, this rank's compute
+        time, travels in it too, in this rank's own slot: `rank_compute_s` gets every rank's."""
         asked = self._stop_signal is not None
         if self.mesh is None:
             if agree_on_stop:
                 self._stop_agreed = asked
+            self.rank_compute_s = [compute_s] if compute_s is not None else []
             return local
         holds = self.parallel_model.last_stage and self.mesh["tp"].get_local_rank() == 0
         share = (
             local.detach().float() / self.parallel_dims.dp if holds else torch.zeros((), device=self.device)
         )
-        packed = torch.stack([share, torch.tensor(float(agree_on_stop and asked), device=self.device)])
+        slots = torch.zeros(self.parallel_dims.world_size if compute_s is not None else 0, device=self.device)
+        if compute_s is not None:
+            slots[self.rank] = compute_s
+        flags = torch.stack([share, torch.tensor(float(agree_on_stop and asked), device=self.device)])
+        packed = torch.cat([flags, slots])
         dist.all_reduce(packed)
         if agree_on_stop:
             self._stop_agreed = packed[1].item() > 0
+        if compute_s is not None:
+            self.rank_compute_s = packed[2:].tolist()
         return packed[0]
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -460,7 +519,8 @@ class Trainer(Stateful):
     def save_checkpoint(self, blocking: bool = False) -> str:
         """Snapshot the state now; it is written and committed in the background unless `blocking`."""
         descriptor = {"config": to_dict(self.cfg), "layout": self.parallel_dims.describe()}
-        location = self.checkpointer.save(self.step, self.checkpoint_state(), descriptor)
+        with self.timeline.span("checkpoint", step=self.step):  # stage 1: the copy to host memory
+            location = self.checkpointer.save(self.step, self.checkpoint_state(), descriptor)
         if blocking:
             self.checkpointer.wait()
         return location
@@ -499,7 +559,22 @@ class Trainer(Stateful):
             "tokens_per_s": tokens_per_s,
             "step_time_s": metrics.step_time_s,
             "data_wait_s": metrics.data_wait_s,
+            **metrics.breakdown,
         }
+        if self.rank_compute_s and self.rank == 0:  # rank 0 speaks for the job
+            record["rank_compute_s"] = [round(seconds, 6) for seconds in self.rank_compute_s]
+            for finding in self.stragglers.observe(self.rank_compute_s):
+                log.warning(
+                    "straggler: rank %d computes %.2fx the median of its peers (%.4f s against %.4f s per "
+                    "step over the last %d steps)",
+                    finding["rank"],
+                    finding["ratio"],
+                    finding["compute_s"],
+                    finding["peers_s"],
+                    self.cfg.metrics.straggler_window,
+                )
+            if self.stragglers.stragglers():
+                record["stragglers"] = self.stragglers.stragglers()
         if self.peak is not None:
             # The peak is one device's (one process's cores on CPU); the job runs world_size of them.
             peak_flops = self.peak.tflops * 1e12 * self.parallel_dims.world_size

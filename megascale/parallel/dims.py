@@ -10,6 +10,7 @@ DeviceMesh does the group creation; this class decides the shape and names the s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -182,6 +183,26 @@ class ParallelDims:
         """The ranks holding the same state as this one (its DP replicas), or None without replicas:
         on recovery one of them reads the checkpoint and broadcasts it to the rest."""
         return mesh["dp_replicate"].get_group() if self.dp_replicate > 1 else None
+
+    def coordinates(self, mesh: DeviceMesh | None) -> dict[str, int]:
+        """This rank's place in the layout: pipeline stage, data-parallel rank, tensor-parallel rank."""
+        if mesh is None:
+            return {"pp": 0, "dp": 0, "tp": 0}
+        return {
+            "pp": mesh["pp"].get_local_rank(),
+            "dp": self.dp_rank(mesh),
+            "tp": mesh["tp"].get_local_rank(),
+        }
+
+    def stage_of_ranks(self, mesh: DeviceMesh | None) -> list[int]:
+        """The pipeline stage of every global rank, indexed by rank."""
+        if mesh is None:
+            return [0]
+        stages = [0] * mesh.mesh.numel()
+        pp_dim = mesh.mesh_dim_names.index("pp")
+        for index, rank in zip(itertools.product(*map(range, mesh.mesh.shape)), mesh.mesh.flatten().tolist()):
+            stages[rank] = index[pp_dim]
+        return stages
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from megascale.config import ParallelConfig
@@ -31,6 +32,7 @@ class ParallelModel:
 
     parts: list[nn.Module]
     schedule: _PipelineSchedule | None  # None without pipeline parallelism
+    stages: list[PipelineStage]  # the schedule's stages, one per part (none without pipeline parallelism)
     first_stage: bool  # holds the embedding: feeds the inputs
     last_stage: bool  # holds the output layer: computes the loss
 
@@ -47,7 +49,7 @@ def parallelize(
     compile_blocks: bool = False,
 ) -> ParallelModel:
     """Collective over the whole mesh: every rank calls it with an identical `model` (same weights)."""
-    parts, schedule, first, last = [model], None, True, True
+    parts, schedule, stages, first, last = [model], None, [], True, True
     if dims.pp > 1:
         num_stages = dims.pp * par.pp_virtual_stages
         ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=plan.BLOCKS)
@@ -82,7 +84,7 @@ def parallelize(
         if dims.dp > 1:
             apply_fsdp(part, dims.fsdp_mesh(mesh), blocks=plan.BLOCKS, zero_stage=par.zero_stage)
     if dims.pp > 1:
-        schedule = build_schedule(
+        schedule, stages = build_schedule(
             parts,
             stage_ids,
             num_stages,
@@ -92,4 +94,4 @@ def parallelize(
             device=device,
             group=mesh["pp"].get_group(),
         )
-    return ParallelModel(parts=parts, schedule=schedule, first_stage=first, last_stage=last)
+    return ParallelModel(parts=parts, schedule=schedule, stages=stages, first_stage=first, last_stage=last)

@@ -131,16 +131,17 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     group: ProcessGroup,
-) -> _PipelineSchedule:
-    """The pipeline schedule running this rank's stages. Gradients are scaled by 1/microbatches, so the
-    step's gradient is that of the mean loss over micro-batches, as with gradient accumulation."""
+) -> tuple[_PipelineSchedule, list[PipelineStage]]:
+    """The pipeline schedule running this rank's stages, and the stages. Gradients are scaled by
+    1/microbatches, so the step's gradient is that of the mean loss over micro-batches, as with gradient
+    accumulation."""
     stages = [
         PipelineStage(module, stage_id, num_stages, device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids)
     ]
     schedule_class = SCHEDULES[schedule]
     if schedule in MULTI_STAGE:
-        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn), stages
     if len(stages) != 1:
         raise ValueError(f"pipeline schedule {schedule!r} runs one stage per rank, got {len(stages)}")
-    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn), stages

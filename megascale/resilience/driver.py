@@ -118,6 +118,7 @@ class Driver:
         self.tickets_read = 0
         self.seq = 0
         self.stop_requested = False
+        self.stragglers: set[tuple[int, int]] = set()  # (attempt, rank) already reported
 
     # -- executors ------------------------------------------------------------------------------------
     def _command(self, node: str, action: str, **fields: Any) -> None:
@@ -260,7 +261,7 @@ class Driver:
                     self.events.write(
                         "recovered", attempt=attempt, first_step=last_step, resumed_from=resumed_from
                     )
-                fault = self._anomalies(attempt, last_step, reports, loss_spike, slow_steps)
+                fault = self._anomalies(attempt, last_step, current, loss_spike, slow_steps)
                 if fault is not None:
                     return fault
             elif last_step >= 0 and 0 < res.comm_flat_timeout_s < min(now - last_change, silent_s):
@@ -284,15 +285,22 @@ class Driver:
         self,
         attempt: int,
         step: int,
-        reports: dict[str, dict[str, Any]],
+        beats: dict[str, dict[str, Any]],
         loss_spike: LossSpike,
         slow_steps: StepTimeCollapse,
     ) -> Fault | None:
         """Feed the newest step's loss (mean over ranks) and time (slowest rank) to the detectors; log
-        what they find, and make it a fault when `resilience.anomaly_action = "restart"`."""
+        what they find, and make it a fault when `resilience.anomaly_action = "restart"`. Stragglers named
+        by the training processes (observe/stragglers.py) are logged with their node."""
+        reports = {rank: report for beat in beats.values() for rank, report in beat["progress"].items()}
         at_step = [report for report in reports.values() if report["step"] == step]
         losses = [report["loss"] for report in at_step if isinstance(report.get("loss"), float)]
         times = [report["step_time_s"] for report in at_step if "step_time_s" in report]
+        for rank in sorted({rank for report in at_step for rank in report.get("stragglers", [])}):
+            if (attempt, rank) not in self.stragglers:
+                self.stragglers.add((attempt, rank))
+                node = next((name for name, beat in beats.items() if str(rank) in beat["progress"]), None)
+                self.events.write("straggler", attempt=attempt, step=step, rank=rank, node=node)
         findings = []
         if losses and all(map(math.isfinite, losses)):
             findings.append(("loss_spike", loss_spike.observe(step, sum(losses) / len(losses))))

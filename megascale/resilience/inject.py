@@ -5,7 +5,7 @@ Faults a training process injects into itself:
 - kill:rank=R:step=S      SIGKILL itself when step S begins
 - hang:rank=R:step=S      stop making progress at step S (sleep, holding its peers in the next collective)
 - nan:step=S              make step S's loss NaN on every rank
-- slow:rank=R:factor=F    stretch every step of rank R to F times its length (from step S with :step=S)
+- slow:rank=R:factor=F    rank R computes F times slower (from step S with :step=S): a straggler
 Faults the executor and checkpoints take (resilience/diagnostics.py, resilience/links.py):
 - diagnose_fail:node=N    node N fails its self-check
 - link_fail:node=N        node N's data is damaged in the all-reduce with its neighbour nodes
@@ -98,7 +98,10 @@ class FaultInjector:
         nan = any(fault.kind == "nan" and step == fault.get("step") for fault in self.faults)
         return float("nan") if nan else 1.0
 
-    def after_step(self, step: int, step_time_s: float) -> None:
+    def stretch(self, step: int, compute_s: float) -> None:
+        """Called after each piece of compute (a micro-batch's forward or backward, the optimizer): a slow
+        rank takes `factor` times as long over it, as a slower device would; its peers then wait for it in
+        the next collective."""
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.get("step", 1):
-                time.sleep(max(0.0, (fault.get("factor", 1.0) - 1.0) * step_time_s))
+                time.sleep(max(0.0, (fault.get("factor", 1.0) - 1.0) * compute_s))

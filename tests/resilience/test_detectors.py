@@ -79,7 +79,8 @@ def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
     from megascale.config import load_config
     from megascale.resilience.driver import Driver
 
-    reports = {str(rank): {"step": 9, "loss": 9.0, "step_time_s": 0.1} for rank in range(2)}
+    progress = {str(rank): {"step": 9, "loss": 9.0, "step_time_s": 0.1} for rank in range(2)}
+    beats = {"node-0": {"progress": progress}}
     for action, expect_fault in (("warn", False), ("restart", True)):
         cfg = load_config(overrides=[f"--resilience.anomaly_action={action}"])
         run_dir = tmp_path / action
@@ -88,7 +89,7 @@ def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
         spike = LossSpike(z=6.0, window=8)
         for step in range(8):
             spike.observe(step, 3.0 + 0.01 * (step % 3))
-        fault = driver._anomalies(0, 9, reports, spike, StepTimeCollapse(3.0, 8))
+        fault = driver._anomalies(0, 9, beats, spike, StepTimeCollapse(3.0, 8))
         (event,) = read_events(run_dir)
         assert event["event"] == "loss_spike" and event["action"] == action and event["step"] == 9
         assert (fault is not None) == expect_fault

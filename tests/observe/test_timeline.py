@@ -1,0 +1,104 @@
+"""The per-rank timeline: spans, tracks that never overlap, the step's breakdown, and a real 4-process
+run merged into one valid trace."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from megascale.observe.metrics import read_metrics
+from megascale.observe.timeline import WAIT, Timeline, read_trace
+from megascale.observe.trace import check_trace, merge_traces
+from tests.conftest import tiny_args
+
+
+def test_spans_reach_the_file_and_a_cut_short_file_still_reads(tmp_path):
+    timeline = Timeline(tmp_path, rank=3, coords={"pp": 1, "dp": 0, "tp": 1}, flush_every_s=0.05)
+    timeline.sync_clock()
+    with timeline.span("forward", micro_batch=0):
+        time.sleep(0.01)
+    time.sleep(0.2)  # the background thread has flushed; the file has no closing bracket yet
+    events = read_trace(tmp_path / "rank-00003.json")
+    (forward,) = [e for e in events if e["ph"] == "X"]
+    assert forward["name"] == "forward" and forward["args"] == {"micro_batch": 0} and forward["dur"] >= 10_000
+    labels = next(e for e in events if e["name"] == "process_labels")
+    assert labels["args"]["coords"] == {"pp": 1, "dp": 0, "tp": 1}
+    timeline.close()
+    assert json.loads((tmp_path / "rank-00003.json").read_text())[-1]["name"] == "trace_end"
+
+
+def test_operations_in_flight_together_take_separate_lanes(tmp_path):
+    timeline = Timeline(tmp_path, rank=0, coords={})
+    timeline.sync_clock()
+    # Completions arrive out of order from communication threads, as gloo's do.
+    spans = [(0, 50), (10, 20), (25, 60), (55, 70), (70, 80)]
+    threads = [
+        threading.Thread(target=timeline.add_in_lane, args=("all_reduce", "comm dp", s * 1000, e * 1000, {}))
+        for s, e in spans
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    timeline.close()
+    events = read_trace(tmp_path / "rank-00000.json")
+    assert check_trace(events) == []
+    assert len([e for e in events if e["ph"] == "X"]) == len(spans)
+
+
+def test_the_step_breakdown_takes_waits_out_of_compute(tmp_path):
+    timeline = Timeline(tmp_path, rank=0, coords={})
+    timeline.begin_step()
+    ms = 1_000_000
+    with timeline.span("forward"):
+        timeline.add("all_gather_single", WAIT, 0, 30 * ms, {"kind": "all_gather_single"})
+    timeline.add("forward", "main", 0, 100 * ms, {})  # a forward of 100 ms, 30 of them waiting
+    timeline.add("wait p2p", WAIT, 0, 40 * ms, {"p2p": True})  # between stages: bubble
+    timeline.add("all_reduce", WAIT, 0, 20 * ms, {"kind": "all_reduce"})
+    breakdown = timeline.step.as_metrics(step_time_s=0.25, data_wait_s=0.01)
+    assert abs(breakdown["compute_s"] - 0.07) < 0.01  # 100 ms of forward less the 30 ms wait inside it
+    assert breakdown["comm_exposed_s"] == 0.05 and breakdown["bubble_s"] == 0.04
+    assert abs(breakdown["other_s"] - (0.25 - breakdown["compute_s"] - 0.05 - 0.04 - 0.01)) < 1e-6
+    timeline.close()
+
+
+def test_a_four_process_run_merges_into_one_valid_trace(tiny_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    args = tiny_args(
+        tiny_corpus,
+        run_dir,
+        tmp_path / "data",
+        "--parallel.pp=2",
+        "--parallel.dp_shard=2",
+        "--training.global_batch_size=8",
+        "--training.micro_batch_size=2",
+        "--training.val_every=100",
+    )
+    command = [sys.executable, "-m", "megascale.cli", "train", "--nproc", "4", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = merge_traces(run_dir)
+    trace = json.loads(merged.read_text())
+    assert check_trace(trace) == []
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    for rank in range(4):
+        mine = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"data", "forward", "backward", "clip", "optimizer", "step", "p2p"} <= mine, (rank, mine)
+        assert {"all_gather_single", "reduce_scatter_single"} <= mine  # FSDP's, over dp_shard
+    forwards = [e for e in spans if e["name"] == "forward" and e["pid"] == 0]
+    assert {e["args"]["micro_batch"] for e in forwards} == {0, 1}  # 8 sequences / dp 2 / micro-batch 2
+    groups = {e["args"]["group"] for e in spans if e.get("cat") == "comm"}
+    assert {"mesh_pp", "mesh_dp_shard"} <= groups, groups
+    stages = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
+    assert sorted(stages.values())[0].startswith("pp 0 · dp 0 · tp 0")
+    for record in read_metrics(run_dir):
+        parts = sum(
+            record[key] for key in ("compute_s", "comm_exposed_s", "bubble_s", "other_s", "data_wait_s")
+        )
+        assert abs(parts - record["step_time_s"]) < 0.01 * record["step_time_s"] + 1e-3, record
