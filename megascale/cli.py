@@ -145,6 +145,24 @@ def cmd_trace_merge(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_trace_hang(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.observe.hang import HANG, analyze, describe, read_dumps
+    from megascale.observe.trace import sessions
+
+    if extra:
+        raise ConfigError(f"trace hang takes no config overrides, got {' '.join(extra)}")
+    stalled = [session / HANG for session in sessions(args.run_dir) if (session / HANG).is_dir()]
+    if not stalled:
+        raise MegascaleError(
+            f"trace hang: no rank of {args.run_dir} wrote a hang state (it is written after "
+            "metrics.hang_dump_s seconds without a step)"
+        )
+    dumps = read_dumps(stalled[-1])
+    print(f"{stalled[-1]}:")
+    print(describe(dumps, analyze(dumps)))
+    return 0
+
+
 def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.resilience.driver import evict
 
@@ -258,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, help="Where to write (default: merged.json in the newest trace session)."
     )
     merge.set_defaults(run=cmd_trace_merge)
+    hang = trace_verbs.add_parser(
+        "hang",
+        help="Name the ranks a hung job waits for, from the state every rank wrote when it stalled "
+        "(metrics.hang_dump_s).",
+    )
+    hang.add_argument("run_dir", type=Path, help="The run directory (training.run_dir).")
+    hang.set_defaults(run=cmd_trace_hang)
 
     evict_parser = verbs.add_parser(
         "evict", help="Put a node on the job's blocklist (in training.run_dir): it is never used again."

@@ -233,6 +233,13 @@ class MetricsConfig:
         ge=0,
     )
     straggler_window: int = option(20, "Steps over which the straggler detector takes medians.", ge=1)
+    hang_dump_s: float = option(
+        60.0,
+        "A rank that has begun no step for this long writes where it stands (each group's operations, the "
+        "one it is blocked in) for `megascale trace hang`; keep it below resilience.hang_timeout_s so the "
+        "state is written before the driver restarts the job; 0 turns it off. Needs the timeline.",
+        ge=0,
+    )
 
 
 @dataclass

@@ -37,6 +37,7 @@ from megascale.errors import CheckpointError, ConfigError, NonFiniteError
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
 from megascale.observe.collectives import record_collectives
+from megascale.observe.hang import HangWatch
 from megascale.observe.metrics import MetricsWriter
 from megascale.observe.peak import Peak, calibrate, peak_for
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
@@ -139,7 +140,7 @@ class Trainer(Stateful):
             torch.set_num_threads(training.threads)
         self.device = pick_device(training.device)
         init_distributed(self.device, cfg.parallel.timeout_s)
-        self.mesh = dims.build_mesh(self.device.type) if dims.world_size > 1 else None
+        self.mesh = dims.build_mesh(self.device.type, cfg.parallel.timeout_s) if dims.world_size > 1 else None
         self.checkpointer = Checkpointer(
             checkpoint_root,
             keep=cfg.checkpoint.keep,
@@ -232,6 +233,10 @@ class Trainer(Stateful):
         self.timeline = Timeline(traces, self.rank, dims.coordinates(self.mesh), device=self.device)
         self.timeline.sync_clock(dist.barrier if dist.is_initialized() else None)
         record_collectives(self.timeline)
+        self.hang_watch = None
+        if traces is not None and cfg.metrics.hang_dump_s > 0:
+            self.hang_watch = HangWatch(self.timeline, traces, cfg.metrics.hang_dump_s, dims.world_size)
+            self.hang_watch.start()
         self.rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
         self.stragglers = StragglerDetector(
             dims.stage_of_ranks(self.mesh), cfg.metrics.straggler_window, cfg.metrics.straggler_ratio
@@ -319,6 +324,8 @@ class Trainer(Stateful):
             self.save_checkpoint()
         self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
         record_collectives(None)
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
         self.timeline.close()
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)

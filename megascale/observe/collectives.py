@@ -11,8 +11,8 @@ size around the original call:
   training thread waited for all of it);
 - an asynchronous one spans from its issue to its completion (the work's future) on its group's track,
   and the training thread's `Work.wait()` on it is a span on the `wait` track: the exposed part;
-- `batch_isend_irecv` (pipeline p2p) is a span of its issue; waiting for its works counts as pipeline
-  bubble, not communication (the peer stage was still computing);
+- `isend`, `irecv` and `batch_isend_irecv` (pipeline p2p) are spans of their issue; waiting for their
+  works counts as pipeline bubble, not communication (the peer stage was still computing);
 - functional collectives (DTensor's tensor parallelism) are spans of their issue only: they are waited
   for inside the tensor that holds their result, which no public hook sees.
 
@@ -21,11 +21,13 @@ Each operation carries its kind, group, bytes and a sequence number per group.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
-import itertools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,12 +63,23 @@ FUNCTIONAL = {
 }
 MAX_PENDING = 10_000
 
+
+@dataclass
+class _Group:
+    """A process group as this process has used it: its members and how far its operations got."""
+
+    name: str
+    ranks: list[int]
+    issued: int = 0  # operations started on it (each one's sequence number)
+    completed: int = 0  # the highest sequence number known finished
+
+
 _active: Timeline | None = None
 _installed = False
 _local = threading.local()
-_pending: dict[int, dict[str, Any]] = {}  # id(work) -> what it is, until waited for
-_sequence: dict[str, itertools.count] = {}
-_group_names: dict[int, str] = {}
+_pending: dict[int, tuple[dict[str, Any], _Group]] = {}  # id(work) -> what it is, until waited for
+_groups: dict[Any, _Group] = {}  # by id() of the process group; 0 the default group; a tuple of ranks
+_waiting: dict[int, dict[str, Any]] = {}  # thread id -> the operation it is blocked in now
 
 
 def record_collectives(timeline: Timeline | None) -> None:
@@ -78,15 +91,31 @@ def record_collectives(timeline: Timeline | None) -> None:
         _installed = True
 
 
-def _group_name(group: Any) -> str:
-    if group is None:
-        return "world"
-    key = id(group)
-    if key not in _group_names:
-        _group_names[key] = (
+def communication_state(thread: int) -> dict[str, Any]:
+    """Every group's progress, and what `thread` is blocked in: what a rank dumps when the job hangs."""
+    groups = [dataclasses.asdict(group) for group in list(_groups.values())]
+    return {"groups": groups, "waiting": _waiting.get(thread)}
+
+
+def _group(group: Any) -> _Group:
+    """The record of a process group (None: the default one; a functional collective may name its
+    group by a list of ranks instead)."""
+    if isinstance(group, (list, tuple)):
+        ranks = [int(rank) for rank in group]
+        key: Any = tuple(ranks)
+        found = _groups.get(key)
+        if found is None:
+            found = _groups[key] = _Group("ranks " + ",".join(map(str, ranks)), ranks)
+        return found
+    key = 0 if group is None else id(group)
+    found = _groups.get(key)
+    if found is None:
+        process_group = group if group is not None else distributed_c10d._get_default_group()
+        name = "world" if group is None else (
             getattr(group, "group_desc", None) or getattr(group, "group_name", None) or "group"
-        )
-    return _group_names[key]
+        )  # fmt: skip
+        found = _groups[key] = _Group(name, dist.get_process_group_ranks(process_group))
+    return found
 
 
 def _nbytes(value: Any) -> int:
@@ -97,16 +126,31 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _describe(kind: str, group: Any, nbytes: int) -> dict[str, Any]:
-    name = _group_name(group)
-    counter = _sequence.setdefault(name, itertools.count(1))
-    return {"kind": kind, "group": name, "bytes": nbytes, "seq": next(counter)}
+def _describe(kind: str, group: Any, nbytes: int) -> tuple[dict[str, Any], _Group]:
+    record = _group(group)
+    record.issued += 1
+    return {"kind": kind, "group": record.name, "bytes": nbytes, "seq": record.issued}, record
 
 
-def _remember(work: Any, info: dict[str, Any]) -> None:
+def _completed(record: _Group, seq: int) -> None:
+    record.completed = max(record.completed, seq)
+
+
+def _remember(work: Any, info: dict[str, Any], record: _Group) -> None:
     if len(_pending) > MAX_PENDING:  # works that were never waited for
         _pending.clear()
-    _pending[id(work)] = info
+    _pending[id(work)] = (info, record)
+
+
+@contextlib.contextmanager
+def _blocked_in(info: dict[str, Any]):
+    """Mark the calling thread as blocked in an operation while it runs (for a hang dump)."""
+    thread = threading.get_ident()
+    _waiting[thread] = info
+    try:
+        yield
+    finally:
+        _waiting.pop(thread, None)
 
 
 def _wrap_collective(kind: str, size_arg: str | None, original: Any) -> Any:
@@ -118,24 +162,30 @@ def _wrap_collective(kind: str, size_arg: str | None, original: Any) -> Any:
         if timeline is None or getattr(_local, "inside", False):
             return original(*args, **kwargs)
         bound = signature.bind_partial(*args, **kwargs).arguments
-        info = _describe(kind, bound.get("group"), _nbytes(bound.get(size_arg)) if size_arg else 0)
+        info, record = _describe(kind, bound.get("group"), _nbytes(bound.get(size_arg)) if size_arg else 0)
         track = f"comm {info['group']}"
+        synchronous = not bound.get("async_op")
         _local.inside = True
         start = time.perf_counter_ns()
         try:
-            work = original(*args, **kwargs)
+            with _blocked_in(info) if synchronous else contextlib.nullcontext():
+                work = original(*args, **kwargs)
         finally:
             _local.inside = False
         end = time.perf_counter_ns()
-        if not bound.get("async_op"):
+        if synchronous:
+            _completed(record, info["seq"])
             timeline.add_in_lane(kind, track, start, end, info)
             timeline.add(kind, timeline.wait_track(), start, end, info)
             return work
-        _remember(work, info)
+        _remember(work, info, record)
+
+        def done(_: Any) -> None:
+            _completed(record, info["seq"])
+            timeline.add_in_lane(kind, track, start, time.perf_counter_ns(), info)
+
         try:
-            work.get_future().then(
-                lambda _: timeline.add_in_lane(kind, track, start, time.perf_counter_ns(), info)
-            )
+            work.get_future().then(done)
         except RuntimeError:  # a work without a future: its issue is all there is to show
             timeline.add_in_lane(kind, track, start, end, info)
         return work
@@ -151,11 +201,8 @@ def _wrap_batch_p2p(original: Any) -> Any:
             return original(p2p_op_list)
         group = p2p_op_list[0].group if p2p_op_list else None
         ops = ",".join(f"{'send' if op.op is dist.isend else 'recv'}:{op.peer}" for op in p2p_op_list)
-        info = {
-            **_describe("p2p", group, _nbytes([op.tensor for op in p2p_op_list])),
-            "ops": ops,
-            "p2p": True,
-        }
+        info, record = _describe("p2p", group, _nbytes([op.tensor for op in p2p_op_list]))
+        info.update(ops=ops, p2p=True)
         _local.inside = True
         start = time.perf_counter_ns()
         try:
@@ -164,8 +211,30 @@ def _wrap_batch_p2p(original: Any) -> Any:
             _local.inside = False
         timeline.add_in_lane("p2p", f"comm {info['group']}", start, time.perf_counter_ns(), info)
         for work in works or []:
-            _remember(work, info)
+            _remember(work, info, record)
         return works
+
+    return wrapper
+
+
+def _wrap_p2p(kind: str, original: Any) -> Any:
+    """isend / irecv: a span of the issue; the wait for the work is pipeline bubble."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        timeline = _active
+        if timeline is None or getattr(_local, "inside", False):
+            return original(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        info, record = _describe(kind, bound.get("group"), _nbytes(bound.get("tensor")))
+        info["p2p"] = True
+        start = time.perf_counter_ns()
+        work = original(*args, **kwargs)
+        timeline.add_in_lane(kind, f"comm {info['group']}", start, time.perf_counter_ns(), info)
+        if work is not None:
+            _remember(work, info, record)
+        return work
 
     return wrapper
 
@@ -183,9 +252,11 @@ def _wrap_functional(kind: str, size_arg: str, original: Any) -> Any:
         if isinstance(group, tuple) and len(group) == 2:  # (DeviceMesh, dimension), as DTensor passes it
             mesh, dim = group
             group = mesh.get_group(dim)
-        info = {**_describe(kind, group, _nbytes(bound.get(size_arg))), "functional": True}
+        info, record = _describe(kind, group, _nbytes(bound.get(size_arg)))
+        info["functional"] = True
         start = time.perf_counter_ns()
         result = original(*args, **kwargs)
+        _completed(record, info["seq"])  # waited for inside its tensor, where nothing sees it
         timeline.add_in_lane(kind, f"comm {info['group']}", start, time.perf_counter_ns(), info)
         return result
 
@@ -198,9 +269,12 @@ def _wrap_wait(original: Any) -> Any:
         timeline = _active
         if timeline is None or getattr(_local, "inside", False):  # a synchronous collective's own wait
             return original(self, *args, **kwargs)
-        info = _pending.pop(id(self), None) or {"kind": "work"}
+        info, record = _pending.pop(id(self), None) or ({"kind": "work"}, None)
         start = time.perf_counter_ns()
-        result = original(self, *args, **kwargs)
+        with _blocked_in(info):
+            result = original(self, *args, **kwargs)
+        if record is not None:
+            _completed(record, info["seq"])
         timeline.add(f"wait {info['kind']}", timeline.wait_track(), start, time.perf_counter_ns(), info)
         return result
 
@@ -210,6 +284,10 @@ def _wrap_wait(original: Any) -> Any:
 def _install() -> None:
     for name, size_arg in COLLECTIVES.items():
         wrapped = _wrap_collective(name, size_arg, getattr(distributed_c10d, name))
+        setattr(distributed_c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    for name in ("isend", "irecv"):  # both namespaces: P2POp and the pipeline compare them by identity
+        wrapped = _wrap_p2p(name, getattr(distributed_c10d, name))
         setattr(distributed_c10d, name, wrapped)
         setattr(dist, name, wrapped)
     wrapped = _wrap_batch_p2p(distributed_c10d.batch_isend_irecv)

@@ -45,15 +45,19 @@ class _Span:
         self.timeline, self.name, self.track, self.args = timeline, name, track, args
 
     def __enter__(self) -> _Span:
-        if self.name in COMPUTE:
-            self.timeline.computing += 1
+        if self.track == MAIN:
+            self.timeline.phase = self.name
+            if self.name in COMPUTE:
+                self.timeline.computing += 1
         self.start = time.perf_counter_ns()
         return self
 
     def __exit__(self, *exc: object) -> None:
         end = time.perf_counter_ns()
-        if self.name in COMPUTE:
-            self.timeline.computing -= 1
+        if self.track == MAIN:
+            self.timeline.phase = None
+            if self.name in COMPUTE:
+                self.timeline.computing -= 1
         self.timeline.add(self.name, self.track, self.start, end, self.args)
 
 
@@ -124,6 +128,8 @@ class Timeline:
         self.rank, self.coords = rank, coords
         self.thread = threading.get_ident()  # the training thread: its waits are the step's
         self.computing = 0  # compute spans open on the training thread
+        self.phase: str | None = None  # the training thread's open phase, if any (for a hang dump)
+        self.steps_begun = 0
         self.origin_ns = time.perf_counter_ns()  # replaced by sync_clock
         self.step = StepTimes()
         self._events: collections.deque = collections.deque()
@@ -185,6 +191,7 @@ class Timeline:
 
     def begin_step(self) -> None:
         self.step = StepTimes()
+        self.steps_begun += 1
 
     def wait_track(self) -> str:
         """Where the calling thread's waits for communication go: `wait` for the training thread (they

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -164,14 +165,27 @@ class ParallelDims:
                 + suggestion(lambda size, count: count % self.pp == 0),
             )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh over pp, dp_replicate, dp_shard and tp, nested as `rank_order` says.
+    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> DeviceMesh:
+        """The 4-D mesh over pp, dp_replicate, dp_shard and tp, nested as `rank_order` says; its groups'
+        collectives time out after `timeout_s` (DeviceMesh's own groups would otherwise take torch's
+        30-minute default, not the default group's timeout).
 
         Collective: every rank must call it, in the same order. Group creation is left to DeviceMesh.
         """
         names = MESH_ORDERS[self.rank_order]
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
-        return init_device_mesh(device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
+        override = None
+        if timeout_s is not None and device_type == "cpu":
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timedelta(seconds=timeout_s)
+            override = {name: ("gloo", options) for name in names}
+        mesh = init_device_mesh(
+            device_type, tuple(sizes[name] for name in names), mesh_dim_names=names, backend_override=override
+        )
+        if timeout_s is not None and device_type != "cpu":  # untested: no accelerator here
+            for name in names:
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), mesh[name].get_group())
+        return mesh
 
     @staticmethod
     def checkpoint_group() -> dist.ProcessGroup:

@@ -1,6 +1,7 @@
 """Layout validation: every bad layout is one clear ConfigError before any process group exists."""
 
 import pytest
+import torch.distributed as dist
 
 from megascale.config import load_config
 from megascale.errors import ConfigError
@@ -153,3 +154,27 @@ def test_rank_order_tp_pp_dp_puts_data_parallelism_outermost():
     assert run_ranks(_mesh_groups, 8, "tp-pp-dp") == [
         (rank // 2 % 2, rank // 4, rank % 2, 2) for rank in range(8)
     ]
+
+
+def _late_peer(rank, world_size):
+    import time
+
+    import torch
+
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=1)
+    mesh = dims.build_mesh("cpu", timeout_s=3)
+    if rank == 1:
+        time.sleep(12)  # a hung peer
+        return None
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh["dp_shard"].get_group())
+    except RuntimeError:
+        return time.monotonic() - started
+    return None
+
+
+def test_the_mesh_groups_time_out_after_the_configured_timeout():
+    # DeviceMesh's own groups took torch's 30-minute default, not parallel.timeout_s.
+    waited, _ = run_ranks(_late_peer, 2)
+    assert waited is not None and waited < 8, waited

@@ -150,6 +150,7 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
         f"--resilience.hang_timeout_s={hang_timeout}",
         f"--resilience.store={redis_url}",
         "--parallel.timeout_s=300",
+        "--metrics.hang_dump_s=2",
     )
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
@@ -162,6 +163,16 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
     assert delay <= hang_timeout + interval + 1.0  # + one reading of the progress files
     assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
     assert not _processes_of(run_dir), "the hung worker outlived the job"
+    # Every rank wrote where it stood before the restart; the analysis names the hung rank, and only it.
+    analysis = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "trace", "hang", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    print(analysis.stdout)
+    suspects = analysis.stdout.split("suspects:")[1].strip().splitlines()
+    assert analysis.returncode == 0 and len(suspects) == 1 and suspects[0].startswith("rank 1: not in any")
 
 
 def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp_path):
