@@ -1,4 +1,4 @@
-"""`megascale` command line: train, launch, executor, trace, evict, prepare, convert, calibrate.
+"""`megascale` command line: train, launch, executor, trace, report, evict, prepare, convert, calibrate.
 
 Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
 user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
@@ -139,8 +139,7 @@ def cmd_executor(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_trace_merge(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.observe.trace import merge_traces
 
-    if extra:
-        raise ConfigError(f"trace merge takes no config overrides, got {' '.join(extra)}")
+    _no_overrides("trace merge", extra)
     print(f"wrote {merge_traces(args.run_dir, out=args.out)}")
     return 0
 
@@ -149,8 +148,7 @@ def cmd_trace_hang(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.observe.hang import HANG, analyze, describe, read_dumps
     from megascale.observe.trace import sessions
 
-    if extra:
-        raise ConfigError(f"trace hang takes no config overrides, got {' '.join(extra)}")
+    _no_overrides("trace hang", extra)
     stalled = [session / HANG for session in sessions(args.run_dir) if (session / HANG).is_dir()]
     if not stalled:
         raise MegascaleError(
@@ -163,6 +161,14 @@ def cmd_trace_hang(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.observe.report import write_report
+
+    _no_overrides("report", extra)
+    print(f"wrote {write_report(args.run_dir, args.out)}")
+    return 0
+
+
 def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.resilience.driver import evict
 
@@ -172,6 +178,12 @@ def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"evict: run directory {run_dir} does not exist (set --training.run_dir)")
     print(f"blocklist of {run_dir}: {', '.join(evict(run_dir, args.node))}")
     return 0
+
+
+def _no_overrides(verb: str, extra: list[str]) -> None:
+    """Verbs that take no config fields refuse them by name."""
+    if extra:
+        raise ConfigError(f"{verb} takes no config overrides, got {' '.join(extra)}")
 
 
 def _config_argv(args: argparse.Namespace) -> list[str]:
@@ -195,8 +207,7 @@ def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.convert import export_hf, import_hf
 
-    if extra:
-        raise ConfigError(f"convert takes no config overrides, got {' '.join(extra)}")
+    _no_overrides("convert", extra)
     out = Path(args.output)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"convert: output {out} exists and is not empty; pass --force to overwrite")
@@ -213,8 +224,7 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
 
     from megascale.observe.peak import calibrate, calibration_cache
 
-    if extra:
-        raise ConfigError(f"calibrate takes no config overrides, got {' '.join(extra)}")
+    _no_overrides("calibrate", extra)
     threads = args.threads or torch.get_num_threads()
     for dtype in args.dtype:
         tflops = calibrate(dtype, threads, force=True)
@@ -283,6 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hang.add_argument("run_dir", type=Path, help="The run directory (training.run_dir).")
     hang.set_defaults(run=cmd_trace_hang)
+
+    report = verbs.add_parser(
+        "report",
+        help="Write <run_dir>/report.html: one static page (works offline) with the run's curves, throughput "
+        "and MFU, step-time breakdown, per-rank compute heat map, stragglers, faults and restarts.",
+    )
+    report.add_argument("run_dir", type=Path, help="The run directory (training.run_dir).")
+    report.add_argument("--out", type=Path, help="Where to write (default: <run_dir>/report.html).")
+    report.set_defaults(run=cmd_report)
 
     evict_parser = verbs.add_parser(
         "evict", help="Put a node on the job's blocklist (in training.run_dir): it is never used again."

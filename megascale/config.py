@@ -174,6 +174,12 @@ class TrainingConfig:
         "Directory for checkpoints, metrics and logs; a run resumes from the newest checkpoint found here.",
     )
     log_every: int = option(10, "Log metrics every N steps.", ge=1)
+    gc_every: int = option(
+        50,
+        "Turn Python's automatic garbage collection off while training and collect every N steps, at the "
+        "same step on every rank (paper §6.3); 0 leaves the automatic collector on.",
+        ge=0,
+    )
     val_every: int = option(120, "Compute validation loss every N steps (and at the last step).", ge=1)
     val_batches: int = option(8, "Micro-batches per validation.", ge=1)
     peak_tflops: float | None = option(

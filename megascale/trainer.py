@@ -34,6 +34,7 @@ from megascale.checkpoint.stateful import ModelState, OptimizerState, Schedulers
 from megascale.config import JobConfig, ModelConfig, flatten_keys, to_dict
 from megascale.data import build_dataloaders
 from megascale.errors import CheckpointError, ConfigError, NonFiniteError
+from megascale.gc_control import AlignedGC
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
 from megascale.observe.collectives import record_collectives
@@ -281,7 +282,9 @@ class Trainer(Stateful):
         )
         summary: dict[str, Any] = {"start_step": self.step, "interrupted": False}
         started_s, steps_run = time.perf_counter(), 0
+        collector = AlignedGC(training.gc_every)
         with (
+            collector,
             self._stop_on_signals(),
             TrainingProgress(
                 self.console, training.steps, self.step, live=self.cfg.metrics.progress and self.rank == 0
@@ -320,6 +323,9 @@ class Trainer(Stateful):
                     break
                 if self.cfg.checkpoint.enabled and (self.step % self.cfg.checkpoint.every == 0 or last):
                     self.save_checkpoint()
+                if collector.due(self.step):
+                    with self.timeline.span("gc", step=self.step):
+                        collector.collect()
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
         self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
@@ -573,12 +579,13 @@ class Trainer(Stateful):
             for finding in self.stragglers.observe(self.rank_compute_s):
                 log.warning(
                     "straggler: rank %d computes %.2fx the median of its peers (%.4f s against %.4f s per "
-                    "step over the last %d steps)",
+                    "step over the %d steps to step %d)",
                     finding["rank"],
                     finding["ratio"],
                     finding["compute_s"],
                     finding["peers_s"],
                     self.cfg.metrics.straggler_window,
+                    self.step,
                 )
             if self.stragglers.stragglers():
                 record["stragglers"] = self.stragglers.stragglers()

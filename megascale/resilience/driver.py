@@ -60,8 +60,15 @@ class EventLog:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The events so far; a line the driver was still writing (it died mid-line) is left out."""
     path = Path(run_dir) / EVENTS
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    events = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
 
 
 def read_blocklist(run_dir: Path) -> list[str]:
@@ -371,13 +378,7 @@ class Driver:
                 expected_alltoall_gbps=res.expected_alltoall_gbps,
                 min_speed_ratio=res.min_speed_ratio,
             )
-        results, deadline = {}, time.time() + res.diagnose_timeout_s
-        while len(results) < len(nodes) and time.time() < deadline:
-            for node in nodes:
-                result = results.get(node) or self.store.fetch(f"diag/{node}")
-                if result and result["seq"] > seq_before:
-                    results[node] = result
-            time.sleep(0.2)
+        results = self._answers(nodes, "diag", seq_before)
         passed = {node: result for node, result in results.items() if result["passed"]}
         for node, reason in slower_than_peers(passed, res.min_speed_ratio).items():
             results[node] = {**results[node], "passed": False, "reason": reason}
@@ -406,6 +407,18 @@ class Driver:
                 failed.append(node)
         return failed
 
+    def _answers(self, nodes: list[str], key: str, seq_before: int) -> dict[str, dict[str, Any]]:
+        """The nodes' answers under `<key>/<node>` to a command sent after `seq_before`, as they come in
+        until all have answered or resilience.diagnose_timeout_s has passed."""
+        answers, deadline = {}, time.time() + self.res.diagnose_timeout_s
+        while len(answers) < len(nodes) and time.time() < deadline:
+            for node in nodes:
+                answer = answers.get(node) or self.store.fetch(f"{key}/{node}")
+                if answer and answer["seq"] > seq_before:
+                    answers[node] = answer
+            time.sleep(0.2)
+        return answers
+
     def check_links(self, nodes: list[str], attempt: int) -> dict[str, tuple[str | None, dict]]:
         """The all-reduce between neighbouring nodes: {node: (why it is to blame or None, its links)}."""
         res = self.res
@@ -423,13 +436,7 @@ class Driver:
                 addresses=addresses,
                 check=seq_before,  # the same for every node: names this check's keys in the store
             )
-        results, deadline = {}, time.time() + res.diagnose_timeout_s
-        while len(results) < len(nodes) and time.time() < deadline:
-            for node in nodes:
-                result = results.get(node) or self.store.fetch(f"links/{node}")
-                if result and result["seq"] > seq_before:
-                    results[node] = result
-            time.sleep(0.2)
+        results = self._answers(nodes, "links", seq_before)
         reports = {node: results[node]["links"] if node in results else {} for node in nodes}
         blamed, bad_links = blame(reports, res.expected_allreduce_gbps, res.min_speed_ratio)
         for first, second, why in bad_links:

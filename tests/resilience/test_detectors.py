@@ -28,6 +28,9 @@ def test_events_are_json_lines_with_times(tmp_path):
         ("restart", None, 1),
     ]
     assert events[0]["time"] <= events[1]["time"]
+    with open(tmp_path / "events.jsonl", "a") as file:
+        file.write('{"time": 1, "event": "fau')  # the driver died mid-line
+    assert len(read_events(tmp_path)) == 2
 
 
 def test_a_loss_spike_is_found_by_its_z_score_over_the_window():

@@ -1,0 +1,170 @@
+"""What observing costs and what aligned garbage collection buys, each side by side in one run.
+
+Two training processes (FSDP over 2 ranks, gloo) each build megascale's real `Trainer` and run steps by
+hand in alternating blocks, so both modes see the same model state, data and machine noise:
+
+- timeline: recording (phase spans, collective and wait spans, the stragglers' compute slot) against not.
+  The ratio is the median over neighbouring blocks of (median step time on / median step time off).
+- gc: Python's automatic collector against megascale's (`training.gc_every`: the young generations
+  collected at the same step on every rank every N steps, no automatic collection). Each rank holds a
+  Python heap that grows every step (`--heap` objects at start, `--grow` more per step, a little more on
+  higher ranks), as a job with a large, growing Python-side state does; the automatic collector then
+  walks the whole heap now and then, at different steps on different ranks. Synthetic: a plain training
+  loop on CPU allocates too little for the collector to matter. Reports the mean, standard deviation and
+  99th percentile of step times in each mode.
+
+Prints one `name value` line per figure and writes them, with the machine, as JSON.
+
+    python bench/observe_overhead.py --out bench/results/observe_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+MODEL = [
+    "--model.dim=128",
+    "--model.n_layers=4",
+    "--model.attention.n_heads=4",
+    "--model.attention.n_kv_heads=2",
+    "--model.max_seq_len=128",
+    "--data.seq_len=128",
+    "--training.global_batch_size=16",
+    "--training.micro_batch_size=4",
+    "--parallel.dp_shard=2",
+    "--checkpoint.enabled=false",
+    "--metrics.progress=false",
+    "--metrics.tensorboard=false",
+    "--training.device=cpu",
+    "--training.threads=1",
+]
+
+
+def rank_main(rank: int, world: int, port: int, run_dir: str, part: str, args: dict, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    import gc
+
+    from megascale.config import load_config
+    from megascale.gc_control import AlignedGC
+    from megascale.observe.collectives import record_collectives
+    from megascale.observe.timeline import Timeline
+    from megascale.trainer import Trainer
+
+    blocks, block_steps = args["blocks"], args["block_steps"]
+    steps = 2 * blocks * block_steps + 4
+    overrides = [*MODEL, f"--training.run_dir={run_dir}", f"--training.steps={steps}"]
+    trainer = Trainer(load_config(overrides=overrides))
+    recording, silent = trainer.timeline, Timeline.disabled()
+    heap = [{"id": index, "tokens": [index]} for index in range(args["heap"] if part == "gc" else 0)]
+    for _ in range(4):  # warm-up
+        trainer.train_step()
+    modes = ("on", "off") if part == "timeline" else ("auto", "aligned")
+    times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    for block in range(2 * blocks):
+        mode = modes[block % 2]
+        if part == "timeline":
+            trainer.timeline = recording if mode == "on" else silent
+            record_collectives(trainer.timeline)
+        elif mode == "auto":
+            gc.enable()
+        else:
+            gc.disable()
+        block_times = []
+        for index in range(block_steps):
+            heap.extend({"id": index} for _ in range(args["grow"] * (10 + rank) // 10))
+            step_time = trainer.train_step().step_time_s
+            if mode == "aligned" and index % args["gc_every"] == args["gc_every"] - 1:
+                started = time.perf_counter()
+                AlignedGC.collect()  # every rank at the same step: its pause is paid once, by all together
+                step_time += time.perf_counter() - started
+            block_times.append(step_time)
+        times[mode].append(block_times)
+    gc.enable()
+    trainer.timeline = recording
+    record_collectives(None)
+    recording.close()
+    del heap
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def run_part(part: str, args: argparse.Namespace, tmp: str) -> dict[str, list[list[float]]]:
+    result_file = os.path.join(tmp, f"{part}.json")
+    mp.start_processes(
+        rank_main,
+        args=(2, free_port(), os.path.join(tmp, part), part, vars(args), result_file),
+        nprocs=2,
+        start_method="spawn",
+    )
+    return json.loads(Path(result_file).read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=12, help="Blocks of each mode, alternating.")
+    parser.add_argument("--block-steps", type=int, default=10, help="Steps per block.")
+    parser.add_argument("--heap", type=int, default=1_000_000, help="Python objects per rank at start (gc).")
+    parser.add_argument("--grow", type=int, default=20_000, help="Python objects added per step (gc).")
+    parser.add_argument("--gc-every", type=int, default=10, help="Steps between aligned collections (gc).")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/observe_overhead.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        timeline, collector = run_part("timeline", args, tmp), run_part("gc", args, tmp)
+    on = [statistics.median(block) for block in timeline["on"]]
+    off = [statistics.median(block) for block in timeline["off"]]
+    ratios = [a / b for a, b in zip(on, off)] + [a / b for a, b in zip(on[1:], off)]  # both neighbours
+    figures = {
+        "timeline_step_time_on_s": round(statistics.median(on), 5),
+        "timeline_step_time_off_s": round(statistics.median(off), 5),
+        "timeline_overhead_ratio": round(statistics.median(ratios), 4),
+    }
+    for mode, blocks in collector.items():
+        steps = sorted(step for block in blocks for step in block)
+        figures[f"gc_{mode}_step_time_mean_s"] = round(statistics.mean(steps), 5)
+        figures[f"gc_{mode}_step_time_std_s"] = round(statistics.stdev(steps), 5)
+        figures[f"gc_{mode}_step_time_p99_s"] = round(steps[int(0.99 * (len(steps) - 1))], 5)
+    for name, value in figures.items():
+        print(f"{name} {value}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "figures": figures,
+                "setup": {"processes": 2, "layout": "dp_shard 2 (FSDP)", "model": MODEL, **vars(args)},
+                "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                "when": datetime.now(UTC).isoformat(timespec="seconds"),
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
