@@ -463,7 +463,8 @@ class Trainer(Stateful):
         if self.mesh is None:
             if agree_on_stop:
                 self._stop_agreed = asked
-            self.rank_compute_s = [compute_s] if compute_s is not None else []
+            if compute_s is not None:
+                self.rank_compute_s = [compute_s]
             return local
         holds = self.parallel_model.last_stage and self.mesh["tp"].get_local_rank() == 0
         share = (
