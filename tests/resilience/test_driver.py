@@ -195,7 +195,9 @@ def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp
     last_progress = max(record["time"] for record in _attempt_reports(run_dir, 0) if record["step"] == 4)
     delay = fault["time"] - last_progress
     print(f"silent communication detected {delay:.1f} s after the last step (timeout {flat_timeout} s)")
-    assert delay <= flat_timeout + 2 * interval + 1.0  # the counters are read once per heartbeat
+    # The counters are read once per heartbeat; the timeline's last flush (a file write, once a second)
+    # can move them up to a second after the last step.
+    assert delay <= flat_timeout + 2 * interval + 2.0
     assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
 
 
