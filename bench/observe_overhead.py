@@ -3,8 +3,12 @@
 Two training processes (FSDP over 2 ranks, gloo) each build megascale's real `Trainer` and run steps by
 hand in alternating blocks, so both modes see the same model state, data and machine noise:
 
-- timeline: recording (phase spans, collective and wait spans, the stragglers' compute slot) against not.
-  The ratio is the median over neighbouring blocks of (median step time on / median step time off).
+- timeline: recording (phase spans, collective and wait spans, the stragglers' compute slot) against not,
+  in short alternating blocks (`--timeline-block-steps`). At the end of each recording block the trace is
+  flushed in the training thread and its time added to that block's last step, so the JSON encoding is
+  charged to the recording mode (in a run it happens on the background thread) and none of it spills
+  into the next block. The ratio is the median, over every pair of neighbouring blocks, of (time of the
+  recording block / time of the silent one); the same for process CPU time (all threads).
 - gc: Python's automatic collector against megascale's (`training.gc_every`: the young generations
   collected at the same step on every rank every N steps, no automatic collection). Each rank holds a
   Python heap that grows every step (`--heap` objects at start, `--grow` more per step, a little more on
@@ -69,44 +73,50 @@ def rank_main(rank: int, world: int, port: int, run_dir: str, part: str, args: d
     from megascale.trainer import Trainer
 
     blocks, block_steps = args["blocks"], args["block_steps"]
-    steps = 2 * blocks * block_steps + 4
-    overrides = [*MODEL, f"--training.run_dir={run_dir}", f"--training.steps={steps}"]
+    overrides = [*MODEL, f"--training.run_dir={run_dir}", "--training.steps=100000"]
     trainer = Trainer(load_config(overrides=overrides))
     recording, silent = trainer.timeline, Timeline.disabled()
+    if part == "timeline":
+        blocks, block_steps = args["timeline_blocks"], args["timeline_block_steps"]
     heap = [{"id": index, "tokens": [index]} for index in range(args["heap"] if part == "gc" else 0)]
     for _ in range(4):  # warm-up
         trainer.train_step()
     modes = ("on", "off") if part == "timeline" else ("auto", "aligned")
     times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    cpu_times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     for block in range(2 * blocks):
         mode = modes[block % 2]
         if part == "timeline":
-            trainer.timeline = recording if mode == "on" else silent
-            record_collectives(trainer.timeline)
+            trainer.instruments.timeline = recording if mode == "on" else silent
+            record_collectives(trainer.instruments.timeline)
         elif mode == "auto":
             gc.enable()
         else:
             gc.disable()
-        block_times = []
+        block_times, block_cpu = [], []
         for index in range(block_steps):
             heap.extend({"id": index} for _ in range(args["grow"] * (10 + rank) // 10))
+            cpu_started = time.process_time()
             step_time = trainer.train_step().step_time_s
+            started = time.perf_counter()
             if mode == "aligned" and index % args["gc_every"] == args["gc_every"] - 1:
-                started = time.perf_counter()
                 AlignedGC.collect()  # every rank at the same step: its pause is paid once, by all together
-                step_time += time.perf_counter() - started
-            block_times.append(step_time)
+            if mode == "on" and index == block_steps - 1:
+                recording.flush()  # this block's trace written now, charged to it
+            block_times.append(step_time + time.perf_counter() - started)
+            block_cpu.append(time.process_time() - cpu_started)
         times[mode].append(block_times)
+        cpu_times[mode].append(block_cpu)
     gc.enable()
-    trainer.timeline = recording
+    trainer.instruments.timeline = recording
     record_collectives(None)
     recording.close()
     del heap
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps({"wall": times, "cpu": cpu_times}))
 
 
-def run_part(part: str, args: argparse.Namespace, tmp: str) -> dict[str, list[list[float]]]:
+def run_part(part: str, args: argparse.Namespace, tmp: str) -> dict[str, dict[str, list[list[float]]]]:
     result_file = os.path.join(tmp, f"{part}.json")
     mp.start_processes(
         rank_main,
@@ -125,8 +135,10 @@ def free_port() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=12, help="Blocks of each mode, alternating.")
-    parser.add_argument("--block-steps", type=int, default=10, help="Steps per block.")
+    parser.add_argument("--blocks", type=int, default=12, help="Blocks of each mode, alternating (gc).")
+    parser.add_argument("--block-steps", type=int, default=10, help="Steps per block (gc).")
+    parser.add_argument("--timeline-blocks", type=int, default=60, help="Blocks of each mode (timeline).")
+    parser.add_argument("--timeline-block-steps", type=int, default=3, help="Steps per block (timeline).")
     parser.add_argument("--heap", type=int, default=1_000_000, help="Python objects per rank at start (gc).")
     parser.add_argument("--grow", type=int, default=20_000, help="Python objects added per step (gc).")
     parser.add_argument("--gc-every", type=int, default=10, help="Steps between aligned collections (gc).")
@@ -134,15 +146,16 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         timeline, collector = run_part("timeline", args, tmp), run_part("gc", args, tmp)
-    on = [statistics.median(block) for block in timeline["on"]]
-    off = [statistics.median(block) for block in timeline["off"]]
-    ratios = [a / b for a, b in zip(on, off)] + [a / b for a, b in zip(on[1:], off)]  # both neighbours
-    figures = {
-        "timeline_step_time_on_s": round(statistics.median(on), 5),
-        "timeline_step_time_off_s": round(statistics.median(off), 5),
-        "timeline_overhead_ratio": round(statistics.median(ratios), 4),
-    }
-    for mode, blocks in collector.items():
+    figures = {}
+    for clock in ("wall", "cpu"):
+        on = [sum(block) for block in timeline[clock]["on"]]
+        off = [sum(block) for block in timeline[clock]["off"]]
+        ratios = [a / b for a, b in zip(on, off)] + [a / b for a, b in zip(on[1:], off)]  # both neighbours
+        steps = args.timeline_block_steps
+        figures[f"timeline_{clock}_step_on_s"] = round(statistics.median(on) / steps, 5)
+        figures[f"timeline_{clock}_step_off_s"] = round(statistics.median(off) / steps, 5)
+        figures[f"timeline_{clock}_overhead_ratio"] = round(statistics.median(ratios), 4)
+    for mode, blocks in collector["wall"].items():
         steps = sorted(step for block in blocks for step in block)
         figures[f"gc_{mode}_step_time_mean_s"] = round(statistics.mean(steps), 5)
         figures[f"gc_{mode}_step_time_std_s"] = round(statistics.stdev(steps), 5)

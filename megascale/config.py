@@ -372,6 +372,11 @@ class ResilienceConfig:
         "diagnose, evict nodes that fail, and restart from the newest checkpoint).",
         choices=("warn", "restart"),
     )
+    evict_stragglers: bool = option(
+        False,
+        "When the training processes name a straggler (metrics.straggler_ratio) and a spare node is free: "
+        "stop, evict the straggler's node and restart on the spare. Without a free spare it is only logged.",
+    )
     diagnose: bool = option(True, "Run the self-check on every node after a fault and evict those that fail.")
     diagnose_bandwidth: bool = option(
         True,

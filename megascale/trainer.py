@@ -18,8 +18,6 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,10 @@ from megascale.errors import CheckpointError, ConfigError, NonFiniteError
 from megascale.gc_control import AlignedGC
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
-from megascale.observe.collectives import record_collectives
-from megascale.observe.hang import HangWatch
+from megascale.observe.instruments import Instruments, StepMetrics, format_record
 from megascale.observe.metrics import MetricsWriter
-from megascale.observe.peak import Peak, calibrate, peak_for
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
-from megascale.observe.stragglers import StragglerDetector
-from megascale.observe.timeline import Timeline, session_dir
+from megascale.observe.timeline import Timeline
 from megascale.optim import build_lr_scheduler, build_optimizer
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
@@ -59,16 +54,6 @@ SIGNAL_ECHO_S = 2.0
 
 # Model fields that may change between a checkpoint and the run resuming from it: they change no tensor.
 RESUMABLE_MODEL_CHANGES = {"init_std", "norm_eps", "max_seq_len", "attention.window", "attention.rope_theta"}
-
-
-@dataclass
-class StepMetrics:
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    data_wait_s: float
-    breakdown: dict[str, float]  # compute / exposed communication / bubble / other, from the timeline
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -188,7 +173,6 @@ class Trainer(Stateful):
         self.optimizers = [build_optimizer(part, cfg.optim) for part in self.model_parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.optim, training.steps) for opt in self.optimizers]
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = self._find_peak() if self.rank == 0 else None
         log.info(
             "model: %s parameters, %.1f MFLOPs/token; device %s, %s, %d threads%s",
             f"{num_params(cfg.model):,}",
@@ -230,21 +214,25 @@ class Trainer(Stateful):
         self.resumed_from = self.step  # reported to the driver, which logs where a restart took up
         if cfg.checkpoint.enabled:
             self.checkpointer.prepare(self.checkpoint_state())
-        traces = session_dir(self.run_dir, self.step) if cfg.metrics.timeline else None
-        self.timeline = Timeline(traces, self.rank, dims.coordinates(self.mesh), device=self.device)
-        self.timeline.sync_clock(dist.barrier if dist.is_initialized() else None)
-        record_collectives(self.timeline)
-        self.hang_watch = None
-        if traces is not None and cfg.metrics.hang_dump_s > 0:
-            self.hang_watch = HangWatch(self.timeline, traces, cfg.metrics.hang_dump_s, dims.world_size)
-            self.hang_watch.start()
-        self.rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
-        self.stragglers = StragglerDetector(
-            dims.stage_of_ranks(self.mesh), cfg.metrics.straggler_window, cfg.metrics.straggler_ratio
+        self.instruments = Instruments(
+            cfg,
+            self.run_dir,
+            rank=self.rank,
+            coordinates=dims.coordinates(self.mesh),
+            stage_of_rank=dims.stage_of_ranks(self.mesh),
+            device=self.device,
+            start_step=self.step,
+            world_size=dims.world_size,
+            tokens_per_step=self.tokens_per_step,
+            flops_per_token=self.flops_per_token,
+            stretch=lambda compute_s: self.injector.stretch(self.step + 1, compute_s),
         )
-        for stage in self.parallel_model.stages:
-            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "forward", stage.stage_index)
-            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "backward", stage.stage_index)
+        self.instruments.time_pipeline_chunks(self.parallel_model.stages)
+        self._rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.instruments.timeline
 
     @property
     def model(self) -> nn.Module:
@@ -294,7 +282,7 @@ class Trainer(Stateful):
                 metrics = self.train_step()
                 self.step += 1
                 steps_run += 1
-                record = self._record(metrics)
+                record = self.instruments.record(metrics, self.step)
                 if not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)):
                     self._last_nonfinite_step = self.step
                 self.reporter.report(
@@ -311,7 +299,7 @@ class Trainer(Stateful):
                     record["val_loss"] = summary["val_loss"] = self.validate()
                 if self.step % training.log_every == 0 or last or "val_loss" in record:
                     writer.write(self.step, record)
-                    log.info(self._format(record))
+                    log.info(format_record(record, self.step, training.steps))
                 progress.update(self.step, f"loss {metrics.loss:.4f}")
                 summary["loss"] = metrics.loss
                 if self._stop_agreed:
@@ -329,10 +317,7 @@ class Trainer(Stateful):
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
         self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
-        record_collectives(None)
-        if self.hang_watch is not None:
-            self.hang_watch.stop()
-        self.timeline.close()
+        self.instruments.close()
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
         return summary
@@ -360,18 +345,18 @@ class Trainer(Stateful):
             else:
                 local_loss = torch.zeros((), device=self.device)
                 for index, (inputs, labels) in enumerate(batches):
-                    with self._phase("forward", micro_batch=index):
+                    with self.instruments.phase("forward", micro_batch=index):
                         loss = self.loss(inputs, labels) * self._loss_scale / self.grad_accum_steps
-                    with self._phase("backward", micro_batch=index):
+                    with self.instruments.phase("backward", micro_batch=index):
                         loss.backward()
                     local_loss += full_tensor(loss.detach())
-        with self._phase("clip"):
+        with self.instruments.phase("clip"):
             grad_norm = self.clip_gradients()
         lr = self.optimizers[0].param_groups[0]["lr"]
         finite = bool(torch.isfinite(grad_norm))  # the norm is global: every rank decides alike
         if not finite:
             self._on_nonfinite(grad_norm)
-        with self._phase("optimizer"):
+        with self.instruments.phase("optimizer"):
             for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
                 if finite:
                     optimizer.step()
@@ -391,24 +376,8 @@ class Trainer(Stateful):
             breakdown=self.timeline.step.as_metrics(step_time_s, data_wait_s)
             if self.timeline.enabled
             else {},
+            rank_compute_s=self._rank_compute_s,
         )
-
-    @contextlib.contextmanager
-    def _phase(self, name: str, **args: Any):
-        """A span of compute on the timeline; an injected slow rank (`slow` fault) stretches it."""
-        with self.timeline.span(name, **args):
-            started = time.perf_counter()
-            yield
-            self.injector.stretch(self.step + 1, time.perf_counter() - started)
-
-    def _timed(self, run_chunk: Callable[..., Any], name: str, chunk: int) -> Callable[..., Any]:
-        """A pipeline stage's forward_one_chunk / backward_one_chunk, as a phase of the timeline."""
-
-        def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            with self._phase(name, micro_batch=chunk_id, chunk=chunk):
-                return run_chunk(chunk_id, *args, **kwargs)
-
-        return timed
 
     def _on_nonfinite(self, grad_norm: torch.Tensor) -> None:
         """A NaN/inf gradient norm: skip this update, or (nan_policy = rollback) end the process so that
@@ -458,13 +427,13 @@ class Trainer(Stateful):
         With `agree_on_stop`, whether any rank has been asked to stop travels in the same all-reduce and
         sets `_stop_agreed` alike on every rank: a signal that lands on one rank just after the all-reduce
         is acted on a step later by all of them, never by that rank alone. `compute_s`, this rank's compute
-        time, travels in it too, in this rank's own slot: `rank_compute_s` gets every rank's."""
+        time, travels in it too, in this rank's own slot: `_rank_compute_s` gets every rank's."""
         asked = self._stop_signal is not None
         if self.mesh is None:
             if agree_on_stop:
                 self._stop_agreed = asked
             if compute_s is not None:
-                self.rank_compute_s = [compute_s]
+                self._rank_compute_s = [compute_s]
             return local
         holds = self.parallel_model.last_stage and self.mesh["tp"].get_local_rank() == 0
         share = (
@@ -479,7 +448,7 @@ class Trainer(Stateful):
         if agree_on_stop:
             self._stop_agreed = packed[1].item() > 0
         if compute_s is not None:
-            self.rank_compute_s = packed[2:].tolist()
+            self._rank_compute_s = packed[2:].tolist()
         return packed[0]
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -544,75 +513,6 @@ class Trainer(Stateful):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _find_peak(self) -> Peak | None:
-        training = self.cfg.training
-        threads = torch.get_num_threads()
-        peak = peak_for(self.device, training.dtype, threads, training.peak_tflops)
-        if peak is None and self.device.type == "cpu":
-            log.info(
-                "measuring this CPU's %s matmul peak once for MFU (megascale calibrate)...", training.dtype
-            )
-            peak = Peak(calibrate(training.dtype, threads), "measured")
-        if peak is None:
-            log.warning("MFU not shown: %s is not in the peak table; set --training.peak_tflops", self.device)
-        elif peak.source == "measured":
-            log.info(
-                "MFU is relative to this CPU's measured %s matmul peak of %.3f TFLOP/s",
-                training.dtype,
-                peak.tflops,
-            )
-        return peak
-
-    def _record(self, metrics: StepMetrics) -> dict[str, Any]:
-        tokens_per_s = self.tokens_per_step / metrics.step_time_s
-        record: dict[str, Any] = {
-            "loss": metrics.loss,
-            "grad_norm": metrics.grad_norm,
-            "lr": metrics.lr,
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": metrics.step_time_s,
-            "data_wait_s": metrics.data_wait_s,
-            **metrics.breakdown,
-        }
-        if self.rank_compute_s and self.rank == 0:  # rank 0 speaks for the job
-            record["rank_compute_s"] = [round(seconds, 6) for seconds in self.rank_compute_s]
-            for finding in self.stragglers.observe(self.rank_compute_s):
-                log.warning(
-                    "straggler: rank %d computes %.2fx the median of its peers (%.4f s against %.4f s per "
-                    "step over the %d steps to step %d)",
-                    finding["rank"],
-                    finding["ratio"],
-                    finding["compute_s"],
-                    finding["peers_s"],
-                    self.cfg.metrics.straggler_window,
-                    self.step,
-                )
-            if self.stragglers.stragglers():
-                record["stragglers"] = self.stragglers.stragglers()
-        if self.peak is not None:
-            # The peak is one device's (one process's cores on CPU); the job runs world_size of them.
-            peak_flops = self.peak.tflops * 1e12 * self.parallel_dims.world_size
-            record["mfu"] = tokens_per_s * self.flops_per_token / peak_flops
-            record["peak_source"] = self.peak.source
-        return record
-
-    def _format(self, record: dict[str, Any]) -> str:
-        parts = [f"step {self.step}/{self.cfg.training.steps}", f"loss {record['loss']:.4f}"]
-        if "val_loss" in record:
-            parts.append(f"val {record['val_loss']:.4f}")
-        parts += [
-            f"grad {record['grad_norm']:.3f}",
-            f"lr {record['lr']:.2e}",
-            f"{record['tokens_per_s']:,.0f} tok/s",
-            f"{record['step_time_s']:.3f} s/step",
-        ]
-        if "mfu" in record:
-            label = " (measured peak)" if record["peak_source"] == "measured" else ""
-            parts.append(f"MFU {100 * record['mfu']:.1f}%{label}")
-        if not math.isfinite(record["loss"]):
-            parts.append("NON-FINITE LOSS")
-        return " | ".join(parts)
 
     @contextlib.contextmanager
     def _stop_on_signals(self):

@@ -13,8 +13,9 @@ size around the original call:
   and the training thread's `Work.wait()` on it is a span on the `wait` track: the exposed part;
 - `isend`, `irecv` and `batch_isend_irecv` (pipeline p2p) are spans of their issue; waiting for their
   works counts as pipeline bubble, not communication (the peer stage was still computing);
-- functional collectives (DTensor's tensor parallelism) are spans of their issue only: they are waited
-  for inside the tensor that holds their result, which no public hook sees.
+- functional collectives (DTensor's tensor parallelism) are spans of their issue; the result is waited
+  for when first used, through `funcol.wait_tensor` (wrapped too), and that wait is a span on the `wait`
+  track like any other.
 
 Each operation carries its kind, group, bytes and a sequence number per group.
 """
@@ -55,10 +56,10 @@ COLLECTIVES = {  # every c10d collective with async_op: the argument whose bytes
     "scatter": "scatter_list",
     "barrier": None,
 }
-FUNCTIONAL = {
+FUNCTIONAL = {  # what DTensor calls (the older *_tensor names call these, so they are seen too)
     "all_reduce": "self",
-    "all_gather_tensor": "self",
-    "reduce_scatter_tensor": "self",
+    "all_gather_single": "self",
+    "reduce_scatter_single": "self",
     "all_to_all_single": "self",
 }
 MAX_PENDING = 10_000
@@ -77,7 +78,7 @@ class _Group:
 _active: Timeline | None = None
 _installed = False
 _local = threading.local()
-_pending: dict[int, tuple[dict[str, Any], _Group]] = {}  # id(work) -> what it is, until waited for
+_pending: dict[int, tuple[dict[str, Any], _Group]] = {}  # id(work or tensor) -> what, until waited for
 _groups: dict[Any, _Group] = {}  # by id() of the process group; 0 the default group; a tuple of ranks
 _waiting: dict[int, dict[str, Any]] = {}  # thread id -> the operation it is blocked in now
 
@@ -278,11 +279,30 @@ def _wrap_functional(kind: str, size_arg: str, original: Any) -> Any:
         info["functional"] = True
         start = time.perf_counter_ns()
         result = original(*args, **kwargs)
-        _completed(record, info["seq"])  # waited for inside its tensor, where nothing sees it
+        _completed(record, info["seq"])  # counted done at issue: a result never used is never waited for
         timeline.add_in_lane(kind, f"comm {info['group']}", start, time.perf_counter_ns(), info)
+        _remember(getattr(result, "elem", result), info, record)  # the tensor `wait_tensor` will be given
         return result
 
     return wrapper
+
+
+def _wrap_functional_wait(original: Any) -> Any:
+    """funcol.wait_tensor: where a functional collective's result is first used (or its gradient's)."""
+
+    @functools.wraps(original)
+    def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        timeline = _active
+        if timeline is None:
+            return original(tensor)
+        info = (_pending.pop(id(tensor), None) or ({"kind": "functional"}, None))[0]
+        start = time.perf_counter_ns()
+        with _blocked_in(info):
+            result = original(tensor)
+        timeline.add(f"wait {info['kind']}", timeline.wait_track(), start, time.perf_counter_ns(), info)
+        return result
+
+    return wait_tensor
 
 
 def _wrap_wait(original: Any) -> Any:
@@ -316,5 +336,6 @@ def _install() -> None:
     distributed_c10d.batch_isend_irecv = dist.batch_isend_irecv = wrapped
     for name, size_arg in FUNCTIONAL.items():
         setattr(funcol, name, _wrap_functional(name, size_arg, getattr(funcol, name)))
+    funcol.wait_tensor = _wrap_functional_wait(funcol.wait_tensor)
     work_class = torch._C._distributed_c10d.Work
     work_class.wait = _wrap_wait(work_class.wait)

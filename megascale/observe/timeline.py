@@ -137,6 +137,7 @@ class Timeline:
         self._lanes: dict[str, list[int]] = {}  # end times of each lane of a communication track
         self._lanes_lock = threading.Lock()
         self._closed = threading.Event()
+        self._flush_lock = threading.Lock()  # the flush thread and whoever else flushes (close, benchmarks)
         self._file = None
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
@@ -278,10 +279,11 @@ class Timeline:
         return out
 
     def flush(self) -> None:
-        events = self._drain()
-        if events and self._file is not None:
-            self._file.write("".join(json.dumps(event) + ",\n" for event in events))
-            self._file.flush()
+        with self._flush_lock:
+            events = self._drain()
+            if events and self._file is not None:
+                self._file.write("".join(json.dumps(event) + ",\n" for event in events))
+                self._file.flush()
 
     def _flush_loop(self, every_s: float) -> None:
         while not self._closed.wait(every_s):

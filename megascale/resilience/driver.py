@@ -89,7 +89,7 @@ def evict(run_dir: Path, node: str) -> list[str]:
 
 @dataclass
 class Fault:
-    kind: str  # process_exit | heartbeat_lost | hang | comm_flat | loss_spike | slow_steps
+    kind: str  # process_exit | heartbeat_lost | hang | comm_flat | loss_spike | slow_steps | straggler
     node: str | None
     detail: str
     last_progress_step: int
@@ -298,7 +298,8 @@ class Driver:
     ) -> Fault | None:
         """Feed the newest step's loss (mean over ranks) and time (slowest rank) to the detectors; log
         what they find, and make it a fault when `resilience.anomaly_action = "restart"`. Stragglers named
-        by the training processes (observe/stragglers.py) are logged with their node."""
+        by the training processes (observe/stragglers.py) are logged with their node, and are a fault
+        (their node to be evicted) with `resilience.evict_stragglers` when a spare node is free."""
         reports = {rank: report for beat in beats.values() for rank, report in beat["progress"].items()}
         at_step = [report for report in reports.values() if report["step"] == step]
         losses = [report["loss"] for report in at_step if isinstance(report.get("loss"), float)]
@@ -308,6 +309,8 @@ class Driver:
                 self.stragglers.add((attempt, rank))
                 node = next((name for name, beat in beats.items() if str(rank) in beat["progress"]), None)
                 self.events.write("straggler", attempt=attempt, step=step, rank=rank, node=node)
+                if self.res.evict_stragglers and node is not None and len(self.healthy_nodes()) > len(beats):
+                    return Fault("straggler", node, f"rank {rank} is a straggler", step, {"rank": rank})
         findings = []
         if losses and all(map(math.isfinite, losses)):
             findings.append(("loss_spike", loss_spike.observe(step, sum(losses) / len(losses))))
@@ -527,6 +530,9 @@ class Driver:
             self.stop_nodes(nodes)
             self.wait_for_snapshots(nodes)  # the snapshot taken before the fault, if any, is kept
             self.events.write("stopped", attempt=attempt, nodes=nodes)
+            if fault.kind == "straggler":
+                evict(self.run_dir, fault.node)
+                self.events.write("evict", node=fault.node, reason="straggler")
             if self.res.diagnose:
                 for node in self.diagnose(nodes, attempt):
                     evict(self.run_dir, node)

@@ -11,6 +11,7 @@ from megascale.observe.metrics import read_metrics
 from megascale.observe.timeline import WAIT, Timeline, read_trace
 from megascale.observe.trace import check_trace, merge_traces
 from tests.conftest import tiny_args
+from tests.parallel.multiprocess import run_ranks
 
 
 def test_spans_reach_the_file_and_a_cut_short_file_still_reads(tmp_path):
@@ -102,3 +103,35 @@ def test_a_four_process_run_merges_into_one_valid_trace(tiny_corpus, tmp_path):
             record[key] for key in ("compute_s", "comm_exposed_s", "bubble_s", "other_s", "data_wait_s")
         )
         assert abs(parts - record["step_time_s"]) < 0.01 * record["step_time_s"] + 1e-3, record
+
+
+def _wait_for_a_late_peer(rank, world_size, directory):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from megascale.observe.collectives import record_collectives
+
+    funcol.all_gather_single(torch.ones(4), 0, dist.group.WORLD).wait()  # the first one sets up (seconds)
+    dist.barrier()
+    timeline = Timeline(directory, rank=rank, coords={})
+    timeline.begin_step()
+    record_collectives(timeline)
+    if rank == 1:
+        time.sleep(0.3)  # the peer is late: rank 0 waits for it where it uses the result
+    gathered = funcol.all_gather_single(torch.ones(4), 0, dist.group.WORLD)  # as DTensor's TP calls it
+    with timeline.span("forward"):
+        total = float((gathered * 2).sum())  # first use: the wait
+    record_collectives(None)
+    timeline.close()
+    return total, timeline.step.comm, timeline.step.compute_s
+
+
+def test_tensor_parallel_waits_count_as_exposed_communication(tmp_path):
+    (total, comm_s, compute_s), _ = run_ranks(_wait_for_a_late_peer, 2, tmp_path)
+    assert total == 16.0
+    assert comm_s > 0.2 and compute_s < 0.1  # the wait for the late peer, taken out of the forward
+    events = [e for e in read_trace(tmp_path / "rank-00000.json") if e["ph"] == "X"]
+    assert [e["name"] for e in events if e["name"].startswith("wait")] == ["wait all_gather_single"]
+    (wait,) = [e for e in events if e["name"].startswith("wait")]
+    assert wait["args"]["bytes"] == 16 and wait["dur"] > 200_000

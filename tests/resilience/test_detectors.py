@@ -100,6 +100,34 @@ def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
             assert fault.kind == "loss_spike" and fault.last_progress_step == 9
 
 
+def test_a_straggler_is_a_fault_on_its_node_only_when_asked_and_a_spare_is_free(tmp_path):
+    from megascale.config import load_config
+    from megascale.resilience.driver import Driver
+
+    def progress(ranks, stragglers):
+        return {
+            str(r): {"step": 30, "loss": 3.0, "step_time_s": 0.1, "stragglers": stragglers} for r in ranks
+        }
+
+    beats = {"node-0": {"progress": progress([0, 1], [2])}, "node-1": {"progress": progress([2, 3], [2])}}
+    for evict_stragglers, healthy, expect_fault in (
+        (False, ["node-0", "node-1", "node-2"], False),
+        (True, ["node-0", "node-1"], False),  # no spare: the job goes on with its straggler
+        (True, ["node-0", "node-1", "node-2"], True),
+    ):
+        run_dir = tmp_path / f"{evict_stragglers}-{len(healthy)}"
+        run_dir.mkdir()
+        cfg = load_config(overrides=[f"--resilience.evict_stragglers={str(evict_stragglers).lower()}"])
+        driver = Driver(cfg, [], run_dir)
+        driver.healthy_nodes = lambda healthy=healthy: healthy
+        fault = driver._anomalies(0, 30, beats, LossSpike(z=6.0, window=8), StepTimeCollapse(3.0, 8))
+        (event,) = read_events(run_dir)
+        assert event["event"] == "straggler" and event["rank"] == 2 and event["node"] == "node-1"
+        assert (fault is not None) == expect_fault
+        if fault is not None:
+            assert (fault.kind, fault.node, fault.extra) == ("straggler", "node-1", {"rank": 2})
+
+
 def test_a_save_waiting_for_a_dead_nodes_share_is_abandoned_and_the_driver_goes_on(tmp_path):
     import time
 

@@ -24,6 +24,9 @@ JOB = [
     "--resilience.heartbeat_interval_s=0.5",
     "--resilience.heartbeat_timeout_s=20",
 ]
+# Where diagnosis is not under test: the node's own checks only. The link checks start fresh processes
+# (an all-to-all on each node, an all-reduce between neighbours), about 10 s of each test.
+NODE_CHECKS_ONLY = "--resilience.diagnose_bandwidth=false"
 
 
 def run(command, tiny_corpus, tmp_path, name, *extra, nproc=None, timeout=400):
@@ -151,6 +154,7 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
         f"--resilience.store={redis_url}",
         "--parallel.timeout_s=300",
         "--metrics.hang_dump_s=2",
+        NODE_CHECKS_ONLY,
     )
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
@@ -188,6 +192,7 @@ def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp
         "--resilience.hang_timeout_s=300",
         f"--resilience.comm_flat_timeout_s={flat_timeout}",
         "--parallel.timeout_s=300",
+        NODE_CHECKS_ONLY,
     )
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
@@ -215,6 +220,7 @@ def test_a_rank_turning_slow_is_a_step_time_collapse_and_restarted(tiny_corpus, 
         "--resilience.heartbeat_interval_s=0.2",
         "--resilience.anomaly_window=10",
         "--resilience.anomaly_action=restart",
+        NODE_CHECKS_ONLY,
     )
     events = read_events(run_dir)
     (collapse,) = [event for event in events if event["event"] == "slow_steps"]
@@ -280,6 +286,7 @@ def test_nan_rollback_restarts_from_the_checkpoint(tiny_corpus, tmp_path):
         "--resilience.nproc_per_node=2",
         "--resilience.inject=nan:step=6",
         "--resilience.nan_policy=rollback",
+        NODE_CHECKS_ONLY,
     )
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
@@ -328,6 +335,7 @@ def test_a_corrupted_newest_checkpoint_falls_back_and_still_matches(reference, t
         "--resilience.nproc_per_node=2",
         "--resilience.inject=kill:rank=2:step=10,corrupt_checkpoint",
         "--checkpoint.async_save=false",
+        NODE_CHECKS_ONLY,
     )
     events = read_events(run_dir)
     assert next(e for e in events if e["event"] == "injected")["checkpoint"].endswith("step-00000008")

@@ -1,0 +1,180 @@
+"""What a training run measures about itself, in one object the Trainer holds.
+
+The Trainer runs the step; this module watches it: the per-rank timeline and the recording of every
+collective into it, the hang watch, the straggler detector, and the step's record for the metrics file and
+the log line (tokens/s, MFU against a known or measured peak, the step-time breakdown). Kept apart from
+the Trainer so that the training loop reads as training, and every observability switch
+(`metrics.timeline`, `metrics.hang_dump_s`, `metrics.straggler_*`) is honoured in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megascale.config import JobConfig
+from megascale.observe.collectives import record_collectives
+from megascale.observe.hang import HangWatch
+from megascale.observe.peak import Peak, calibrate, peak_for
+from megascale.observe.stragglers import StragglerDetector
+from megascale.observe.timeline import Timeline, session_dir
+
+log = logging.getLogger("megascale.trainer")
+
+
+@dataclass
+class StepMetrics:
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    data_wait_s: float
+    breakdown: dict[str, float]  # compute / exposed communication / bubble / other, from the timeline
+    rank_compute_s: list[float] = field(default_factory=list)  # every rank's, from the step's all-reduce
+
+
+class Instruments:
+    """The run's timeline, hang watch, straggler detector and MFU, for one rank. Built once the run knows
+    the step it starts from (trace sessions are named by it); `close()` when the loop ends.
+
+    `stretch(compute_s)` is called after each phase of compute (fault injection's slow rank)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_dir: Path,
+        *,
+        rank: int,
+        coordinates: dict[str, int],
+        stage_of_rank: list[int],
+        device: torch.device,
+        start_step: int,
+        world_size: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        stretch: Callable[[float], None],
+    ):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self._stretch = stretch
+        traces = session_dir(run_dir, start_step) if cfg.metrics.timeline else None
+        self.timeline = Timeline(traces, rank, coordinates, device=device)
+        self.timeline.sync_clock(dist.barrier if dist.is_initialized() else None)
+        record_collectives(self.timeline)
+        self.hang_watch = None
+        if traces is not None and cfg.metrics.hang_dump_s > 0:
+            self.hang_watch = HangWatch(self.timeline, traces, cfg.metrics.hang_dump_s, world_size)
+            self.hang_watch.start()
+        self.stragglers = StragglerDetector(
+            stage_of_rank, cfg.metrics.straggler_window, cfg.metrics.straggler_ratio
+        )
+        self.peak = find_peak(cfg, device) if rank == 0 else None
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **args: Any) -> Iterator[None]:
+        """A span of compute on the timeline; an injected slow rank stretches it."""
+        with self.timeline.span(name, **args):
+            started = time.perf_counter()
+            yield
+            self._stretch(time.perf_counter() - started)
+
+    def time_pipeline_chunks(self, stages: list[Any]) -> None:
+        """Each pipeline stage's forward_one_chunk / backward_one_chunk becomes a phase of the timeline."""
+        for stage in stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "forward", stage.stage_index)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "backward", stage.stage_index)
+
+    def _timed(self, run_chunk: Callable[..., Any], name: str, chunk: int) -> Callable[..., Any]:
+        def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            with self.phase(name, micro_batch=chunk_id, chunk=chunk):
+                return run_chunk(chunk_id, *args, **kwargs)
+
+        return timed
+
+    def record(self, metrics: StepMetrics, step: int) -> dict[str, Any]:
+        """The step's scalars for metrics.jsonl and TensorBoard; rank 0's also name the stragglers."""
+        tokens_per_s = self.tokens_per_step / metrics.step_time_s
+        record: dict[str, Any] = {
+            "loss": metrics.loss,
+            "grad_norm": metrics.grad_norm,
+            "lr": metrics.lr,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": metrics.step_time_s,
+            "data_wait_s": metrics.data_wait_s,
+            **metrics.breakdown,
+        }
+        if metrics.rank_compute_s and self.rank == 0:  # rank 0 speaks for the job
+            record["rank_compute_s"] = [round(seconds, 6) for seconds in metrics.rank_compute_s]
+            for finding in self.stragglers.observe(metrics.rank_compute_s):
+                log.warning(
+                    "straggler: rank %d computes %.2fx the median of its peers (%.4f s against %.4f s per "
+                    "step over the %d steps to step %d)",
+                    finding["rank"],
+                    finding["ratio"],
+                    finding["compute_s"],
+                    finding["peers_s"],
+                    self.cfg.metrics.straggler_window,
+                    step,
+                )
+            if self.stragglers.stragglers():
+                record["stragglers"] = self.stragglers.stragglers()
+        if self.peak is not None:
+            # The peak is one device's (one process's cores on CPU); the job runs world_size of them.
+            peak_flops = self.peak.tflops * 1e12 * self.world_size
+            record["mfu"] = tokens_per_s * self.flops_per_token / peak_flops
+            record["peak_source"] = self.peak.source
+        return record
+
+    def close(self) -> None:
+        record_collectives(None)
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
+        self.timeline.close()
+
+
+def find_peak(cfg: JobConfig, device: torch.device) -> Peak | None:
+    """The device's peak FLOP/s for MFU: from the table, `training.peak_tflops`, or measured once on a CPU;
+    None (and a warning) for an accelerator the table does not know."""
+    training = cfg.training
+    threads = torch.get_num_threads()
+    peak = peak_for(device, training.dtype, threads, training.peak_tflops)
+    if peak is None and device.type == "cpu":
+        log.info("measuring this CPU's %s matmul peak once for MFU (megascale calibrate)...", training.dtype)
+        peak = Peak(calibrate(training.dtype, threads), "measured")
+    if peak is None:
+        log.warning("MFU not shown: %s is not in the peak table; set --training.peak_tflops", device)
+    elif peak.source == "measured":
+        log.info(
+            "MFU is relative to this CPU's measured %s matmul peak of %.3f TFLOP/s",
+            training.dtype,
+            peak.tflops,
+        )
+    return peak
+
+
+def format_record(record: dict[str, Any], step: int, steps: int) -> str:
+    """The log line of a step's record."""
+    parts = [f"step {step}/{steps}", f"loss {record['loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val {record['val_loss']:.4f}")
+    parts += [
+        f"grad {record['grad_norm']:.3f}",
+        f"lr {record['lr']:.2e}",
+        f"{record['tokens_per_s']:,.0f} tok/s",
+        f"{record['step_time_s']:.3f} s/step",
+    ]
+    if "mfu" in record:
+        label = " (measured peak)" if record["peak_source"] == "measured" else ""
+        parts.append(f"MFU {100 * record['mfu']:.1f}%{label}")
+    if not math.isfinite(record["loss"]):
+        parts.append("NON-FINITE LOSS")
+    return " | ".join(parts)
