@@ -249,6 +249,17 @@ class MetricsConfig:
 
 
 @dataclass
+class OverlapConfig:
+    """MegaScale's communication overlap (paper §3.2), per parallelism; off runs the plain schedule."""
+
+    dp: bool = option(
+        True,
+        "Data parallelism: each block's parameter all-gather is issued asynchronously one block ahead, in "
+        "forward and in backward, and the step's first all-gather before its batch is fetched.",
+    )
+
+
+@dataclass
 class ParallelConfig:
     """3D parallelism: data (replicated x sharded), tensor/sequence and pipeline degrees."""
 
@@ -297,6 +308,7 @@ class ParallelConfig:
         "pipeline neighbours close and spreads data parallelism outermost.",
         choices=("tp-dp-pp", "tp-pp-dp"),
     )
+    overlap: OverlapConfig = section(OverlapConfig)
     timeout_s: float = option(
         600.0,
         "Seconds a collective may wait for its peers before failing the job (a dead peer fails it at "

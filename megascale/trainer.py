@@ -40,6 +40,7 @@ from megascale.observe.metrics import MetricsWriter
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
 from megascale.observe.timeline import Timeline
 from megascale.optim import build_lr_scheduler, build_optimizer
+from megascale.parallel.data import issue_first_all_gathers
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
 from megascale.parallel.parallelize import parallelize
@@ -331,6 +332,8 @@ class Trainer(Stateful):
         self._loss_scale = self.injector.loss_scale(self.step + 1)
         for part in self.model_parts:
             part.train()
+        if self.cfg.parallel.overlap.dp:
+            issue_first_all_gathers(self.model_parts)  # its all-gather overlaps the data loading
         data_wait_s = 0.0
         batches = []
         for index in range(self.grad_accum_steps):

@@ -82,7 +82,13 @@ def parallelize(
             for block in part.get_submodule(plan.BLOCKS).children():
                 block.compile()
         if dims.dp > 1:
-            apply_fsdp(part, dims.fsdp_mesh(mesh), blocks=plan.BLOCKS, zero_stage=par.zero_stage)
+            apply_fsdp(
+                part,
+                dims.fsdp_mesh(mesh),
+                blocks=plan.BLOCKS,
+                zero_stage=par.zero_stage,
+                overlap=par.overlap.dp,
+            )
     if dims.pp > 1:
         schedule, stages = build_schedule(
             parts,

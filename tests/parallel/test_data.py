@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from megascale.models import plan
 from megascale.models.llama import Transformer
-from megascale.parallel.data import apply_fsdp
+from megascale.parallel.data import apply_fsdp, issue_first_all_gathers
 from megascale.parallel.tensor import apply_tensor_parallel, loss_context
 from tests.parallel.multiprocess import run_ranks
 from tests.parallel.tiny import tiny_model_config
@@ -74,3 +74,44 @@ def test_fsdp_layouts_match_single_process(world_size, mesh_shape, mesh_names, z
         f"max |delta grad| {grad_error:.2e}"
     )
     assert loss_error <= 1e-5 and grad_error <= 1e-5
+
+
+def _train_with_overlap(rank, world_size, overlap, directory):
+    """Three optimizer steps of FSDP (ZeRO-3) with the DP overlap on or off: the losses, and the names of
+    what the training thread waited in (a blocking all-gather, or the wait for one issued ahead)."""
+    from megascale.observe.collectives import record_collectives
+    from megascale.observe.timeline import WAIT, Timeline, read_trace
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config("serial"))
+    apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    timeline = Timeline(directory, rank=rank, coords={})
+    record_collectives(timeline)
+    losses = []
+    for step in range(3):
+        if overlap:
+            issue_first_all_gathers([model])
+        tokens = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    record_collectives(None)
+    timeline.close()
+    events = read_trace(directory / f"rank-{rank:05d}.json")
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    waits = [e["name"] for e in events if e["ph"] == "X" and tracks[e["tid"]] == WAIT]
+    return losses, waits
+
+
+def test_dp_overlap_issues_every_all_gather_ahead_and_changes_no_bit(tmp_path):
+    (plain, plain_waits), _ = run_ranks(_train_with_overlap, 2, False, tmp_path / "off")
+    (overlapped, overlapped_waits), _ = run_ranks(_train_with_overlap, 2, True, tmp_path / "on")
+    assert overlapped == plain  # the same all-gathers, only issued earlier
+    assert plain_waits.count("all_gather_single") > 0 and "wait all_gather_single" not in plain_waits
+    # Overlapped: no all-gather blocks where it is issued; the training thread only waits for ones in flight.
+    assert "all_gather_single" not in overlapped_waits
+    assert overlapped_waits.count("wait all_gather_single") == plain_waits.count("all_gather_single")
