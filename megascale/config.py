@@ -257,6 +257,12 @@ class OverlapConfig:
         "Data parallelism: each block's parameter all-gather is issued asynchronously one block ahead, in "
         "forward and in backward, and the step's first all-gather before its batch is fetched.",
     )
+    pp: bool = option(
+        True,
+        "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "
+        "waited on just before use, every send waited on only at the end of the step; off: each time "
+        "step's sends and receives waited on together.",
+    )
 
 
 @dataclass

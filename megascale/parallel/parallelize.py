@@ -99,5 +99,6 @@ def parallelize(
             loss_fn=loss_fn,
             device=device,
             group=mesh["pp"].get_group(),
+            overlap=par.overlap.pp,
         )
     return ParallelModel(parts=parts, schedule=schedule, stages=stages, first_stage=first, last_stage=last)

@@ -30,6 +30,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from megascale.parallel.pipeline_overlap import overlap_schedule
+
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE = {"interleaved_1f1b"}  # schedules that take a list of stages per rank
 
@@ -131,14 +133,18 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     group: ProcessGroup,
+    overlap: bool = False,
 ) -> tuple[_PipelineSchedule, list[PipelineStage]]:
     """The pipeline schedule running this rank's stages, and the stages. Gradients are scaled by
     1/microbatches, so the step's gradient is that of the mean loss over micro-batches, as with gradient
-    accumulation."""
+    accumulation. 1F1B schedules run with their communication decoupled when `overlap` (and in
+    lock-step when not: pipeline_overlap.py); GPipe has no steady phase to overlap and runs as it is."""
     stages = [
         PipelineStage(module, stage_id, num_stages, device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids)
     ]
+    if schedule in ("1f1b", "interleaved_1f1b"):
+        return overlap_schedule(stages, schedule, microbatches, loss_fn, overlap), stages
     schedule_class = SCHEDULES[schedule]
     if schedule in MULTI_STAGE:
         return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn), stages
