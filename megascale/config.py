@@ -257,6 +257,12 @@ class OverlapConfig:
         "Data parallelism: each block's parameter all-gather is issued asynchronously one block ahead, in "
         "forward and in backward, and the step's first all-gather before its batch is fetched.",
     )
+    tp: bool = option(
+        True,
+        "Tensor parallelism with sequence parallelism: each MLP's sequence all-gather and reduce-scatter "
+        "are pipelined with its GEMMs over tp_chunks chunks of the sequence, forward and backward.",
+    )
+    tp_chunks: int = option(2, "Sequence chunks of the tensor-parallel MLP overlap.", ge=2)
     pp: bool = option(
         True,
         "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "

@@ -95,9 +95,13 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        return self.w2(self.activate(self.w1(x), self.w3(x) if self.gated else None))
+
+    def activate(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The element-wise middle: silu(w1 x) * w3 x, or gelu(w1 x)."""
+        if gate is not None:
+            return F.silu(up) * gate
+        return F.gelu(up, approximate="tanh")
 
 
 class TransformerBlock(nn.Module):

@@ -6,6 +6,8 @@ megascale.parallel turns these words into DTensor styles; the model code itself 
 - "vocab_output": output projection sharded over the vocabulary; the loss is computed on the shards.
 - "sequence": an element-wise module (norm) run on a sequence shard of the residual stream.
 - "gather_sequence": a module whose input is the residual stream and which needs the whole sequence.
+- "position_wise_mlp": like "gather_sequence", but each position is computed alone: `w2(activate(w1 x,
+  w3 x))` (w3 absent without a gate), so the sequence may be processed in chunks.
 - "colwise" / "rowwise": a linear layer split by output features / by input features (Megatron).
 """
 
@@ -26,7 +28,7 @@ BLOCK_PLAN = {
     "attention.wk": "colwise",
     "attention.wv": "colwise",
     "attention.wo": "rowwise",
-    "feed_forward": "gather_sequence",
+    "feed_forward": "position_wise_mlp",
     "feed_forward.w1": "colwise",
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",

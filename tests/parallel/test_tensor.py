@@ -23,6 +23,10 @@ CASES = [
     dict(
         block="serial", window=None, sequence_parallel=True, position="learned", norm="layernorm", mlp="gelu"
     ),
+    # The MLP overlap (parallel.overlap.tp): the sequence in chunks, uneven ones too (16 rows in 3).
+    dict(block="serial", window=None, sequence_parallel=True, mlp_chunks=3),
+    dict(block="parallel", window=None, sequence_parallel=True, mlp_chunks=2),
+    dict(block="serial", window=None, sequence_parallel=True, mlp="gelu", mlp_chunks=2),
 ]
 
 
@@ -43,6 +47,7 @@ def _max_errors(rank, world_size):
             block_plan=plan.BLOCK_PLAN,
             top_level_plan=plan.TOP_LEVEL_PLAN,
             sequence_parallel=case["sequence_parallel"],
+            mlp_chunks=case.get("mlp_chunks"),
         )
         tokens = torch.randint(0, 96, (3, 33), generator=torch.Generator().manual_seed(1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
