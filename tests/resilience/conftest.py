@@ -3,12 +3,13 @@ stopped by the tests (processes by pid)."""
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 
 import pytest
+
+from bench.netem import EmulatedNodes
 
 
 def free_port() -> int:
@@ -46,53 +47,11 @@ def redis_url():
     proc.wait()
 
 
-class Hosts:
-    """Two "hosts": network namespaces joined by a veth pair, each with its own address."""
-
-    def __init__(self, tag: str):
-        self.names = [f"ms{tag}a", f"ms{tag}b"]
-        self.addresses = ["10.77.0.1", "10.77.0.2"]
-        self.procs: list[subprocess.Popen] = []
-
-    def create(self) -> None:
-        a, b = self.names
-        for command in (
-            f"ip netns add {a}",
-            f"ip netns add {b}",
-            f"ip link add {a}v type veth peer name {b}v",
-            f"ip link set {a}v netns {a}",
-            f"ip link set {b}v netns {b}",
-            f"ip -n {a} addr add {self.addresses[0]}/24 dev {a}v",
-            f"ip -n {b} addr add {self.addresses[1]}/24 dev {b}v",
-            f"ip -n {a} link set {a}v up",
-            f"ip -n {b} link set {b}v up",
-            f"ip -n {a} link set lo up",
-            f"ip -n {b} link set lo up",
-        ):
-            subprocess.run(command.split(), check=True, capture_output=True, text=True, timeout=30)
-
-    def start(self, host: int, command: list[str], **kwargs) -> subprocess.Popen:
-        """Run `command` on host 0 or 1 (`ip netns exec` execs it, so the pid is the command's)."""
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[host], *command], start_new_session=True, **kwargs
-        )
-        self.procs.append(proc)
-        return proc
-
-    def remove(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for name in self.names:  # deleting a namespace deletes its end of the veth pair, and so both
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts():
     if shutil.which("ip") is None:
         pytest.skip("two-host test: the `ip` command (Debian iproute2) is not installed")
-    hosts = Hosts(str(os.getpid()))
+    hosts = EmulatedNodes(str(os.getpid()))  # no limits: plain veth
     try:
         hosts.create()
     except subprocess.CalledProcessError as err:

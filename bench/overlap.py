@@ -1,0 +1,176 @@
+"""MegaScale's communication overlap on an emulated cluster network: exposed communication and step time
+with each overlap off and on, and all on, side by side in one run.
+
+Two "nodes" (network namespaces, bench/netem.py) of two ranks each: the links inside a node (loopback) and
+between the nodes (a veth pair) are limited with `tc` (bandwidth and delay with netem; bandwidth only
+where the kernel lacks netem, as in this project's VM). Two layouts, each with tensor parallelism
+inside a node: dp2 x tp2 (data parallelism across the nodes) and tp2 x pp2 interleaved (the pipeline
+across them). For every layout the job runs with all overlaps off, with each one alone on, and with all on;
+the figures are the medians over the steps after warm-up of rank 0's step time and exposed communication
+(the timeline's `comm_exposed_s`: time the training thread waited for collectives). Without root the
+ranks run on plain loopback, and the output says so.
+
+Prints one `name value` line per figure and writes them as JSON.
+
+    sudo python bench/overlap.py --out bench/results/overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.netem, run as a script
+
+from bench.netem import EmulatedNodes, Link  # noqa: E402
+from megascale.observe.metrics import read_metrics  # noqa: E402
+
+MODEL = [
+    "--model.dim=256",
+    "--model.n_layers=4",
+    "--model.attention.n_heads=8",
+    "--model.attention.n_kv_heads=4",
+    "--model.max_seq_len=256",
+    "--data.seq_len=256",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=2",
+    "--training.val_every=100000",
+    "--training.log_every=1",
+    "--training.threads=1",
+    "--training.device=cpu",
+    "--training.peak_tflops=1",
+    "--checkpoint.enabled=false",
+    "--metrics.progress=false",
+    "--metrics.tensorboard=false",
+]
+LAYOUTS = {
+    "dp2xtp2": (["--parallel.dp_shard=2", "--parallel.tp=2"], ("tp", "dp")),
+    "tp2xpp2": (
+        [
+            "--parallel.tp=2",
+            "--parallel.pp=2",
+            "--parallel.pp_schedule=interleaved_1f1b",
+            "--parallel.pp_virtual_stages=2",
+        ],
+        ("tp", "pp"),
+    ),
+}
+ALL = ("tp", "pp", "dp")
+
+
+def configurations(switches: tuple[str, ...]) -> dict[str, dict[str, bool]]:
+    """off, each relevant overlap alone, all on."""
+    configs = {"off": dict.fromkeys(ALL, False)}
+    for name in switches:
+        configs[f"{name}_only"] = {key: key == name for key in ALL}
+    configs["all"] = dict.fromkeys(ALL, True)
+    return configs
+
+
+def run_job(nodes: EmulatedNodes | None, run_dir: Path, args: list[str], timeout_s: float) -> list[dict]:
+    """Four ranks, two per node; rank 0's metrics."""
+    port = free_port()
+    master = nodes.addresses[0] if nodes else "127.0.0.1"
+    procs = []
+    for rank in range(4):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(rank % 2),
+            "LOCAL_WORLD_SIZE": "2",
+        }
+        command = [sys.executable, "-m", "megascale.cli", "train", *args, f"--training.run_dir={run_dir}"]
+        if nodes is not None:
+            env["GLOO_SOCKET_IFNAME"] = nodes.devices[rank // 2]
+            procs.append(
+                nodes.start(rank // 2, command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+        else:
+            procs.append(
+                subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+    try:
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=timeout_s)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a rank exited with {proc.returncode}:\n{stderr.decode()[-3000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return read_metrics(run_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="Steps per run; the first 3 are warm-up.")
+    parser.add_argument("--inside", default="1gbit:0.2", help="Link inside a node, RATE:DELAY_MS.")
+    parser.add_argument("--between", default="200mbit:0.5", help="Link between the nodes, RATE:DELAY_MS.")
+    parser.add_argument(
+        "--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="Layouts to run."
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="Seconds a run may take before it fails.")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/overlap.json"), help="JSON output.")
+    args = parser.parse_args()
+    inside, between = (
+        Link(spec.split(":")[0], float(spec.split(":")[1])) for spec in (args.inside, args.between)
+    )
+    nodes = EmulatedNodes(str(os.getpid()), inside=inside, between=between)
+    try:
+        nodes.create()
+        network = nodes.describe()
+        print(f"# network: {network}", flush=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as err:
+        nodes.remove()
+        nodes = None
+        print(f"# no emulated network (needs root and iproute2: {err}); the ranks run on plain loopback")
+        network = "plain loopback (no root)"
+    figures: dict[str, float] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for layout in args.layouts:
+                flags, switches = LAYOUTS[layout]
+                for config, overlaps in configurations(switches).items():
+                    job = [*MODEL, *flags, f"--training.steps={args.steps}"]
+                    job += [f"--parallel.overlap.{key}={str(on).lower()}" for key, on in overlaps.items()]
+                    records = run_job(nodes, Path(tmp) / f"{layout}-{config}", job, args.timeout)[3:]
+                    for key in ("step_time_s", "comm_exposed_s"):
+                        value = statistics.median(record[key] for record in records)
+                        figures[f"{layout}_{config}_{key}"] = round(value, 5)
+                        print(f"{layout}_{config}_{key} {value:.5f}", flush=True)
+                for key in ("comm_exposed_s", "step_time_s"):
+                    ratio = figures[f"{layout}_all_{key}"] / figures[f"{layout}_off_{key}"]
+                    figures[f"{layout}_all_over_off_{key}"] = round(ratio, 4)
+                    print(f"{layout}_all_over_off_{key} {ratio:.4f}", flush=True)
+    finally:
+        if nodes is not None:
+            nodes.remove()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    setup = {"network": network, "processes": 4, "model": MODEL, "steps": args.steps, "layouts": LAYOUTS}
+    machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    record = {"figures": figures, "setup": setup, "machine": machine, "when": when}
+    args.out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
