@@ -1,4 +1,4 @@
-"""`megascale` command line: train, launch, executor, trace, report, evict, prepare, convert, calibrate.
+"""`megascale` command line: train, launch, executor, trace, report, evict, prepare, convert, plan, calibrate.
 
 Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
 user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.errors import ConfigError, MegascaleError
+from megascale.plan import command as plan_command
 from megascale.resilience import executor as executor_module
 
 OVERRIDES_HELP = (
@@ -219,6 +220,11 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    args.overrides = _split_overrides(extra)
+    return plan_command.run(args)
+
+
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
@@ -229,7 +235,11 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     for dtype in args.dtype:
         tflops = calibrate(dtype, threads, force=True)
         print(f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  (threads={threads})")
-    print(f"cached in {calibration_cache()}")
+    from megascale.plan.calibrate import calibrate_profile, profile_cache
+
+    for name, value in calibrate_profile(threads).items():  # the planner's CPU profile (megascale plan)
+        print(f"cpu_{name} {value:.4g}")
+    print(f"cached in {calibration_cache()} and {profile_cache()}")
     return 0
 
 
@@ -342,7 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="Overwrite a non-empty OUTPUT.")
     convert.set_defaults(run=cmd_convert)
 
-    calibrate = verbs.add_parser("calibrate", help="Measure this CPU's matmul peak (for MFU) and cache it.")
+    plan = verbs.add_parser(
+        "plan",
+        help="Predict step time, tokens/s, MFU and memory of a job's layouts on a GPU cluster or this CPU, "
+        "and print the best few (docs/planning.md).",
+    )
+    plan_command.add_arguments(plan)
+    plan.epilog = OVERRIDES_HELP
+    plan.set_defaults(run=cmd_plan)
+
+    calibrate = verbs.add_parser(
+        "calibrate",
+        help="Measure this CPU's matmul peak (for MFU) and what the planner's CPU profile needs (gloo "
+        "latency and bandwidth, per-block host time), and cache them.",
+    )
     calibrate.add_argument(
         "--dtype",
         nargs="+",

@@ -1,0 +1,265 @@
+"""This machine's profile for the cost model, measured by `megascale calibrate` and never guessed.
+
+Beyond the matmul peak (`megascale.observe.peak`), the planner needs what a CPU run is actually bound by at
+the small sizes it can train: how fast a small GEMM runs compared with the peak, memory bandwidth, the
+host's time to dispatch one block's forward and backward (eager PyTorch waits for every operator), what
+tensor parallelism's DTensor dispatch and FSDP's hooks add per block, and gloo's latency and bandwidth
+between two local processes. All of it takes 10-25 s (most of it two fresh interpreters importing torch
+for the gloo measurements) and is cached next to the peak; the CPU profile exists only once it has been.
+Times are medians of repeated calls, as a training loop sees them; one process's figures are taken from
+the quietest of three rounds, the two-process probes (which wait on each other) from one longer round. On
+a machine shared with other work they still move with that work, and so do the predictions made from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from megascale.config import AttentionConfig, ModelConfig
+from megascale.errors import ConfigError
+from megascale.models.llama import Transformer
+from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
+from megascale.plan.hardware import HardwareProfile
+
+SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
+PROBE_LAYERS = (1, 3)  # per-block host time is the slope between these model depths
+PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
+
+
+def profile_cache() -> Path:
+    return calibration_cache().with_name("plan-calibrate.json")
+
+
+def cache_key(threads: int) -> str:
+    return f"{cpu_model()}|threads={threads}|torch={torch.__version__}"
+
+
+def typical_seconds(fn: Callable[[], object], repeats: int, rounds: int = 3) -> float:
+    """The time of one call as a loop that calls it over and over sees it: the median of `repeats` timed
+    calls (after a warm-up), in the quietest of `rounds` rounds, so that a burst of other work on a shared
+    machine during one round does not count as this machine's speed."""
+    fn()
+    medians = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        medians.append(statistics.median(times))
+    return min(medians)
+
+
+def _probe_model(layers: int) -> ModelConfig:
+    return ModelConfig(
+        dim=16,
+        n_layers=layers,
+        vocab_size=64,
+        max_seq_len=8,
+        attention=AttentionConfig(n_heads=2, n_kv_heads=2),
+    )
+
+
+def _fwd_bwd(model: torch.nn.Module) -> Callable[[], None]:
+    tokens = torch.randint(0, 64, (1, 8))
+
+    def run() -> None:
+        logits = model(tokens)
+        logits = logits.to_local() if hasattr(logits, "to_local") else logits
+        logits.float().mean().backward()
+
+    return run
+
+
+def host_seconds(
+    wrap: Callable[[torch.nn.Module], None] = lambda model: None, repeats: int = 5, rounds: int = 3
+) -> tuple[float, float]:
+    """Host seconds of a tiny model's forward + backward, after `wrap` (TP, FSDP) is applied: (per block,
+    for the rest of the model: embedding, final norm, output layer)."""
+    times = []
+    for layers in PROBE_LAYERS:
+        torch.manual_seed(0)
+        model = Transformer(_probe_model(layers))
+        wrap(model)
+        times.append(typical_seconds(_fwd_bwd(model), repeats=repeats, rounds=rounds))
+    per_block = max(0.0, (times[1] - times[0]) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
+    return per_block, max(0.0, times[0] - per_block * PROBE_LAYERS[0])
+
+
+def measure_local() -> dict[str, float]:
+    """Single-process measurements: small-GEMM rate, memory bandwidth, per-block host time."""
+    m, k, n = SMALL_GEMM
+    inputs = torch.randn(m, k, requires_grad=True)
+    weight = torch.randn(n, k, requires_grad=True)
+
+    def linear_forward_backward() -> None:  # a linear layer's three GEMMs, as autograd runs them
+        torch.nn.functional.linear(inputs, weight).sum().backward()
+
+    small_gemm_s = typical_seconds(linear_forward_backward, repeats=10)
+    big = torch.randn(1 << 23)
+    other = torch.randn(1 << 23)
+    add_s = typical_seconds(lambda: torch.add(big, other), repeats=3)
+    return {
+        "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
+        "memory_bytes_per_s": 3 * big.numel() * 4 / add_s,
+        **dict(zip(("block_host_s", "model_host_s"), host_seconds())),
+    }
+
+
+def rank_main(rank: int, init_file: str, out_file: str, threads: int) -> None:
+    """One of the two measuring ranks (run in its own interpreter by `measure_gloo`)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    try:
+        measured = _measure_gloo()
+    finally:
+        dist.destroy_process_group()
+    Path(out_file).write_text(json.dumps(measured))
+
+
+def _measure_gloo() -> dict[str, float]:
+    """Both ranks run this in step: collectives' latency and bandwidth, and TP's and FSDP's host time."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megascale.models import plan
+    from megascale.parallel.data import apply_fsdp
+    from megascale.parallel.tensor import apply_tensor_parallel
+
+    one, two = torch.ones(1), torch.empty(2)
+    shard, full = torch.ones(PROBE_FLOATS // 2), torch.empty(PROBE_FLOATS)
+    latency_s = typical_seconds(lambda: dist.all_gather_single(two, one), repeats=10)
+    gather_s = typical_seconds(lambda: dist.all_gather_single(full, shard), repeats=3)
+    scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), repeats=3)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+
+    def tensor_parallel(model):
+        apply_tensor_parallel(
+            model,
+            mesh,
+            blocks=plan.BLOCKS,
+            block_plan=plan.BLOCK_PLAN,
+            top_level_plan=plan.TOP_LEVEL_PLAN,
+            sequence_parallel=True,
+        )
+
+    half_bytes = PROBE_FLOATS * 4 / 2  # what a ring over 2 ranks moves per rank: (n - 1)/n of the tensor
+    return {
+        "collective_latency_s": latency_s,
+        "gather_bytes_per_s": half_bytes / max(gather_s - latency_s, 1e-9),
+        "scatter_bytes_per_s": half_bytes / max(scatter_s - latency_s, 1e-9),
+        "tp_block_host_s": host_seconds(tensor_parallel, repeats=6, rounds=1)[0],
+        "fsdp_block_host_s": host_seconds(
+            lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3), repeats=6, rounds=1
+        )[0],
+    }
+
+
+def measure_gloo(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
+    """Two local ranks, each a fresh interpreter (a child forked from a parent that ran multi-threaded
+    kernels can hang in its first one), measure together; rank 0's figures. Both are killed by pid if they
+    outlive `timeout_s`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        out_files = [os.path.join(tmp, f"rank{rank}.json") for rank in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from megascale.plan.calibrate import rank_main; "
+                    "rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))",
+                    str(rank),
+                    init_file,
+                    out_files[rank],
+                    str(threads),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        try:
+            errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if any(proc.returncode for proc in procs):
+            raise RuntimeError(f"calibrate: a gloo measuring rank failed:\n{''.join(errors)[-2000:]}")
+        return json.loads(Path(out_files[0]).read_text())
+
+
+def calibrate_profile(threads: int) -> dict[str, float]:
+    """Measure everything the CPU profile needs with `threads` threads per process, and cache it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        measured = measure_local() | measure_gloo(threads)
+    finally:
+        torch.set_num_threads(previous)
+    path = profile_cache()
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    cache[cache_key(threads)] = measured
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache, indent=2))
+    return measured
+
+
+def cpu_profile(threads: int = 1) -> HardwareProfile:
+    """This CPU as a profile, from the cached measurements; a clear error if `megascale calibrate` has not
+    measured them with this many threads."""
+    path = profile_cache()
+    measured = json.loads(path.read_text()).get(cache_key(threads)) if path.is_file() else None
+    peak_tflops = cached_calibration("float32", threads)
+    if measured is None or peak_tflops is None:
+        raise ConfigError(
+            f"plan: --hardware cpu needs this machine measured with {threads} thread(s); run "
+            f"`megascale calibrate --dtype float32 --threads {threads}` first"
+        )
+    peak = peak_tflops * 1e12
+    small_flops = 2 * SMALL_GEMM[0] * SMALL_GEMM[1] * SMALL_GEMM[2]
+    small_efficiency = min(measured["small_gemm_flops_per_s"] / peak, 0.999)
+    gather, scatter = measured["gather_bytes_per_s"], measured["scatter_bytes_per_s"]
+    latency = measured["collective_latency_s"]
+    cores = os.cpu_count() or 1
+    return HardwareProfile(
+        name=f"{cpu_model()} ({threads} thread(s) per process, measured)",
+        peak_tflops={"float32": peak_tflops},
+        hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),  # shared by all processes
+        hbm_bytes_per_s=measured["memory_bytes_per_s"],
+        intra_node_bytes_per_s=2 / (1 / gather + 1 / scatter),  # FSDP runs gathers and scatters alike
+        inter_node_bytes_per_s=2 / (1 / gather + 1 / scatter),
+        intra_node_latency_s=latency,
+        inter_node_latency_s=latency,
+        devices_per_node=1024,  # every process of a local run is on this host
+        nodes_per_pod=1,
+        gemm_efficiency=1.0,  # the peak is itself a (large) GEMM's measured rate
+        gemm_half_flops=small_flops * (1 / small_efficiency - 1),
+        attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
+        network_efficiency=1.0,  # the bandwidths above are already what a collective achieved
+        layer_overhead_s=measured["block_host_s"],
+        model_overhead_s=measured["model_host_s"],
+        tp_layer_overhead_s=max(0.0, measured["tp_block_host_s"] - measured["block_host_s"]),
+        dp_layer_overhead_s=max(0.0, measured["fsdp_block_host_s"] - measured["block_host_s"]),
+        host_cores=max(1, cores // threads),
+        step_seconds_per_param=0.0,  # measured within the per-block host times
+        source=f"measured by `megascale calibrate` ({path})",
+    )

@@ -1,0 +1,40 @@
+"""Seconds of one collective or point-to-point transfer over the link its group uses (alpha-beta model).
+
+A ring all-gather or reduce-scatter over n ranks sends (n - 1)/n of the full tensor through each rank's link
+in n - 1 latency-bound steps; an all-reduce is the two back to back. A group whose ranks all sit in one
+node uses the intra-node link (NVLink; shared memory for gloo on one host), any other its NIC: with one
+NIC per GPU wired multi-rail (paper §3.6) every device drives its own, so the NIC rate per device bounds
+the ring. Which ranks share a node follows from the rank order (`megascale.plan.placement`).
+"""
+
+from __future__ import annotations
+
+from megascale.plan.hardware import HardwareProfile
+
+
+def group_spans_nodes(stride: int, size: int, devices_per_node: int) -> bool:
+    """Whether a group of `size` ranks spaced `stride` apart (consecutive ranks share nodes) crosses nodes."""
+    return size > 1 and stride * size > devices_per_node
+
+
+def link(profile: HardwareProfile, cross_node: bool) -> tuple[float, float]:
+    """(bytes/s achieved by a collective, latency in s) of the link a group uses."""
+    if cross_node:
+        return profile.inter_node_bytes_per_s * profile.network_efficiency, profile.inter_node_latency_s
+    return profile.intra_node_bytes_per_s * profile.network_efficiency, profile.intra_node_latency_s
+
+
+def gather_or_scatter_seconds(
+    full_bytes: float, ranks: int, profile: HardwareProfile, cross_node: bool
+) -> float:
+    """A ring all-gather (or reduce-scatter) whose gathered tensor is `full_bytes`."""
+    if ranks <= 1:
+        return 0.0
+    bandwidth, latency = link(profile, cross_node)
+    return (ranks - 1) * latency + (ranks - 1) / ranks * full_bytes / bandwidth
+
+
+def send_seconds(payload_bytes: float, profile: HardwareProfile, cross_node: bool) -> float:
+    """One point-to-point transfer (a send and its matching receive)."""
+    bandwidth, latency = link(profile, cross_node)
+    return latency + payload_bytes / bandwidth

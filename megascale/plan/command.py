@@ -1,0 +1,65 @@
+"""`megascale plan`: the best layouts of a job on a cluster, predicted before the cluster is granted.
+
+The job comes from a megascale config (`--config`, `--section.key=value` overrides; configs/paper-175b.toml
+and paper-530b.toml hold the paper's models), the cluster from `--hardware` and `--devices`, and the
+system from `--system`: the MegaScale paper's (every overlap and fused kernel of §3), Megatron-LM as the
+paper measured it, or this repository's trainer as it runs today. The output is the fastest layouts that
+fit in memory, with their step time, tokens/s, MFU, memory and where the time goes, the placement of the
+best one, and the config overrides that train it; `--explain` shows every term of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megascale.errors import ConfigError
+
+# Kept here (not imported from hardware.py) so that building the CLI's parser does not import torch; a test
+# checks they match the profiles table.
+HARDWARE = ("a100", "h100", "h800", "h200", "cpu")
+SYSTEM_NAMES = ("megascale", "megatron-lm", "trainer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="megascale job config giving the model, data.seq_len, training.global_batch_size and dtype "
+        "(e.g. configs/paper-175b.toml); default: the built-in defaults.",
+    )
+    parser.add_argument(
+        "--hardware",
+        default="a100",
+        choices=HARDWARE,
+        help="Device profile: datasheet figures for GPUs, or this CPU as `megascale calibrate` measured it.",
+    )
+    parser.add_argument("--devices", type=int, required=True, help="GPUs (or local processes on CPU).")
+    parser.add_argument(
+        "--system",
+        choices=SYSTEM_NAMES,
+        help="Which optimisations run: 'megascale' (the paper's overlaps, fused kernels, async data), "
+        "'megatron-lm' (none, as the paper's baseline), 'trainer' (this repository's trainer today). "
+        "Default: trainer on --hardware cpu, megascale otherwise.",
+    )
+    parser.add_argument("--batch", type=int, help="Global batch in sequences (default: the config's).")
+    parser.add_argument("--top", type=int, default=5, help="How many layouts to print (default 5).")
+    parser.add_argument("--tp", type=int, help="Only layouts with this tensor-parallel degree.")
+    parser.add_argument("--pp", type=int, help="Only layouts with this many pipeline stages.")
+    parser.add_argument(
+        "--config-layout",
+        action="store_true",
+        help="Predict the config's own parallel layout instead of searching.",
+    )
+    parser.add_argument("--explain", action="store_true", help="Show every term of the best layout's step.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; a ConfigError (one line) for anything the user can fix."""
+    from megascale.plan.report import plan_and_render  # torch and the model come in here, not in the parser
+
+    for flag, value in (("--devices", args.devices), ("--top", args.top), ("--batch", args.batch)):
+        if value is not None and value < 1:
+            raise ConfigError(f"plan: {flag} {value} must be >= 1")
+    sys.stdout.write(plan_and_render(args))
+    return 0

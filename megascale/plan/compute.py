@@ -1,0 +1,111 @@
+"""Device time of one micro-batch's forward + backward through one block, from FLOPs and bytes.
+
+Three kinds of work, each timed by what limits it:
+- GEMMs (the linear layers, split by tensor parallelism): FLOPs over peak times an achieved fraction that
+  grows with the GEMM's size, `e(f) = e_max * f / (f + f_half)`, so small GEMMs pay for their launch and
+  tail and large ones approach the library's best (paper §3.3: GEMMs are already efficient in Megatron-LM).
+- Attention's two score matmuls, in a FlashAttention kernel that skips the masked half of a causal square:
+  FlashAttention-2 (paper §3.3) at an achieved fraction of peak, FlashAttention-1 (what a system without
+  the paper's operators runs) at half that speed. A sliding window (paper §3.1) caps the keys per query.
+- Element-wise work (norms, activations, dropout, residual adds): bytes through HBM; fusing LayerNorm and
+  GeLU (paper §3.3) halves the number of passes.
+On a CPU the host dispatches every operator and waits for it, so a measured per-block host time is added;
+on a GPU launches run ahead of the device and cost nothing here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.config import ModelConfig
+from megascale.models.llama import ffn_dim_of
+from megascale.plan.hardware import HardwareProfile
+from megascale.plan.job import Job, Layout
+
+# Passes over a hidden-size vector per token per block, forward + backward, by element-wise kernels
+# (LayerNorm, bias + GeLU on the 4x-wide MLP activations, bias-dropout-add twice, their gradients).
+ELEMENTWISE_PASSES_UNFUSED = 72
+ELEMENTWISE_PASSES_FUSED = 36
+# FlashAttention-2 is "around 2x faster than FlashAttention" (Dao 2023, arXiv 2307.08691, abstract).
+FLASH_ATTENTION_1_SPEED = 0.5
+
+
+@dataclass(frozen=True)
+class BlockTime:
+    """Seconds of one micro-batch through one block on one device, forward + backward, by kind."""
+
+    gemm_s: float
+    attention_s: float
+    elementwise_s: float
+    host_s: float
+    recompute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.host_s + self.recompute_s
+
+
+def gemm_seconds(flops: float, profile: HardwareProfile, dtype: str) -> float:
+    """One GEMM of `flops` at the efficiency its size earns."""
+    efficiency = profile.gemm_efficiency * flops / (flops + profile.gemm_half_flops)
+    return flops / (profile.peak_flops(dtype) * efficiency)
+
+
+def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(in, out) features of each linear layer of one block as one tensor-parallel rank holds it."""
+    head_dim = model.dim // model.attention.n_heads
+    q_out, kv_out = model.dim, model.attention.n_kv_heads * head_dim
+    ffn = ffn_dim_of(model)
+    column = [(model.dim, q_out // tp), (model.dim, kv_out // tp), (model.dim, kv_out // tp)]
+    column += [(model.dim, ffn // tp)] * (2 if model.mlp == "swiglu" else 1)
+    row = [(q_out // tp, model.dim), (ffn // tp, model.dim)]
+    return column + row
+
+
+def block_time(job: Job, layout: Layout, profile: HardwareProfile, fused_kernels: bool) -> BlockTime:
+    """One block, one micro-batch, forward + backward (and recomputation), on one device."""
+    model, dtype = job.model, job.dtype
+    tokens = layout.micro_batch * job.seq_len
+    # Forward GEMM, then backward's two (input gradient and weight gradient) of the same size.
+    gemm_s = sum(
+        3 * gemm_seconds(2 * tokens * n_in * n_out, profile, dtype)
+        for n_in, n_out in linear_shapes(model, layout.tp)
+    )
+    attention_fwd_s = _attention_forward_seconds(job, layout, profile, fused_kernels)
+    passes = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
+    shard = layout.tp if layout.sequence_parallel else 1
+    elementwise_s = (
+        tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
+    )
+    host_s = profile.layer_overhead_s + (profile.tp_layer_overhead_s if layout.tp > 1 else 0.0)
+    host_s += profile.dp_layer_overhead_s if layout.dp > 1 and layout.zero_stage >= 2 else 0.0
+    # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
+    full = layout.recompute == "full"
+    recompute_s = (gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s if full else 0.0
+    return BlockTime(gemm_s, 3 * attention_fwd_s, elementwise_s, host_s, recompute_s)
+
+
+def keys_per_query(seq_len: int, window: int | None) -> float:
+    """Keys a causal query attends to, on average over the sequence (a window caps them)."""
+    span = seq_len if window is None else min(window, seq_len)
+    return (span * (span + 1) / 2 + (seq_len - span) * span) / seq_len
+
+
+def _attention_forward_seconds(job: Job, layout: Layout, profile: HardwareProfile, fused: bool) -> float:
+    """The two score matmuls of one forward in a FlashAttention kernel, which skips masked blocks:
+    FlashAttention-2 with the optimised operators, else FlashAttention-1 at half its speed."""
+    model = job.model
+    heads = model.attention.n_heads // layout.tp
+    head_dim = model.dim // model.attention.n_heads
+    keys = keys_per_query(job.seq_len, model.attention.window)
+    flops = 4 * layout.micro_batch * job.seq_len * keys * heads * head_dim
+    efficiency = profile.attention_efficiency * (1.0 if fused else FLASH_ATTENTION_1_SPEED)
+    return flops / (profile.peak_flops(job.dtype) * efficiency)
+
+
+def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+    """The vocabulary projection (on the last stage), forward + backward, and the host's time for the
+    model's parts outside its blocks."""
+    tokens = layout.micro_batch * job.seq_len
+    flops = 2 * tokens * job.model.dim * job.model.vocab_size / layout.tp
+    return 3 * gemm_seconds(flops, profile, job.dtype) + profile.model_overhead_s

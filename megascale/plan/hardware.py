@@ -1,0 +1,157 @@
+"""Hardware profiles for the cost model: one table of accelerators with their sources, and this CPU.
+
+A profile holds what the step model (`megascale.plan.step`) needs to turn FLOPs and bytes into seconds:
+peak FLOP/s per dtype, HBM size and bandwidth, intra- and inter-node bandwidth and latency per device, and
+devices per node. The GPU figures are vendor datasheet numbers, not measurements (no GPU was available to
+this project); the CPU profile is built only from what `megascale calibrate` measured on this machine and
+refuses to exist before that. Peak FLOP/s come from the same table MFU uses (`megascale.observe.peak`), so
+a planned MFU and a measured one divide by the same number.
+
+Bandwidths are per device and per direction. Inter-node bandwidth is the device's own NIC: the MegaScale
+servers have eight 200 Gb/s NICs wired multi-rail, one per GPU (paper §3.6), as DGX-class A100/H100
+servers do (one 200 or 400 Gb/s NIC per GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.errors import ConfigError
+from megascale.observe.peak import PEAK_TFLOPS
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device type and the network around it; every bandwidth is bytes/s per device per direction."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    intra_node_latency_s: float
+    inter_node_latency_s: float
+    devices_per_node: int
+    nodes_per_pod: int
+    host_cores: int  # cores the devices of a node share (a CPU's processes); 0: each device computes alone
+    # Calibration constants (documented in docs/planning.md), the same for every GPU profile:
+    gemm_efficiency: float  # fraction of peak a large GEMM reaches
+    gemm_half_flops: float  # GEMM size (FLOPs) at which it reaches half of gemm_efficiency
+    attention_efficiency: float  # fraction of peak of a fused (FlashAttention-2) attention kernel
+    network_efficiency: float  # fraction of the link bandwidth a collective achieves (bus bandwidth)
+    layer_overhead_s: (
+        float  # host time per block per micro-batch the device cannot hide (0: launches run ahead)
+    )
+    model_overhead_s: float  # the same for the rest of the model (embedding, output layer, loss)
+    tp_layer_overhead_s: float  # the same, added by tensor parallelism's operator dispatch
+    dp_layer_overhead_s: float  # the same, added by sharded data parallelism's per-block hooks
+    step_seconds_per_param: float  # per-step work over every weight a device holds that nothing overlaps
+    source: str
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.peak_tflops:
+            raise ConfigError(
+                f"plan: --dtype {dtype!r} has no peak for {self.name} (known: {', '.join(self.peak_tflops)})"
+            )
+        return self.peak_tflops[dtype] * 1e12
+
+
+def _peaks(device: str) -> dict[str, float]:
+    return {dtype: tflops for (needle, dtype), tflops in PEAK_TFLOPS.items() if needle == device}
+
+
+# Calibration constants shared by the GPU profiles (docs/planning.md, "Calibration constants"):
+# - A large bf16 GEMM reaches 70-80% of the tensor-core peak in practice; GEMMs under ~1 GFLOP fall off.
+# - FlashAttention-2 reaches 50-73% of peak forward+backward on A100 (Dao 2023, arXiv 2307.08691, Fig. 6).
+# - NCCL ring collectives reach about 80% of the link rate as bus bandwidth (nccl-tests' busbw definition).
+# - NCCL small-message latency: a few microseconds over NVLink, about 10 us across RDMA.
+# - Per-step work over every weight a device holds (zeroing gradient buffers, norms, inf checks, weight
+#   copies): 1.8e-10 s per parameter, 0.5 s for the 175B layout's 2.7B per GPU, fitted once on Table 2's
+#   Megatron-LM rows (the intercept of step time against micro-batches).
+_GPU_CONSTANTS = dict(
+    gemm_efficiency=0.72,
+    gemm_half_flops=2e9,
+    attention_efficiency=0.55,
+    network_efficiency=0.80,
+    layer_overhead_s=0.0,
+    model_overhead_s=0.0,
+    tp_layer_overhead_s=0.0,
+    dp_layer_overhead_s=0.0,
+    host_cores=0,
+    step_seconds_per_param=1.8e-10,
+    intra_node_latency_s=5e-6,
+    inter_node_latency_s=12e-6,
+    devices_per_node=8,
+    nodes_per_pod=64,  # 64 servers share one set of ToR switches (paper §3.6)
+)
+
+PROFILES: dict[str, HardwareProfile] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): bf16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink
+    # 600 GB/s (both directions); https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
+    # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf. NIC: 200 Gb/s per GPU, as in the paper (§3.6).
+    "a100": HardwareProfile(
+        name="A100-SXM4-80GB",
+        peak_tflops=_peaks("A100"),
+        hbm_bytes=80 * GB,
+        hbm_bytes_per_s=2039 * GB,
+        intra_node_bytes_per_s=300 * GB,
+        inter_node_bytes_per_s=25 * GB,
+        source="NVIDIA A100 datasheet; 200 Gb/s NIC per GPU (MegaScale paper §3.6)",
+        **_GPU_CONSTANTS,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16 989 TFLOPS dense, 80 GB HBM3 at 3.35 TB/s, NVLink
+    # 900 GB/s; https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet. NIC:
+    # ConnectX-7 400 Gb/s per GPU (NVIDIA DGX H100 datasheet).
+    "h100": HardwareProfile(
+        name="H100-SXM5-80GB",
+        peak_tflops=_peaks("H100"),
+        hbm_bytes=80 * GB,
+        hbm_bytes_per_s=3350 * GB,
+        intra_node_bytes_per_s=450 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        source="NVIDIA H100 datasheet; DGX H100 datasheet (400 Gb/s NIC per GPU)",
+        **_GPU_CONSTANTS,
+    ),
+    # NVIDIA H800 SXM5 (export variant of H100): same tensor cores and HBM3 as H100 SXM5, NVLink limited to
+    # 400 GB/s; NVIDIA H800 product brief (https://www.nvidia.cn/data-center/h800/). NIC: 400 Gb/s per GPU.
+    "h800": HardwareProfile(
+        name="H800-SXM5-80GB",
+        peak_tflops=_peaks("H800"),
+        hbm_bytes=80 * GB,
+        hbm_bytes_per_s=3350 * GB,
+        intra_node_bytes_per_s=200 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        source="NVIDIA H800 product brief; 400 Gb/s NIC per GPU",
+        **_GPU_CONSTANTS,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): bf16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink
+    # 900 GB/s; https://www.nvidia.com/en-us/data-center/h200/. NIC: 400 Gb/s per GPU (DGX H200).
+    "h200": HardwareProfile(
+        name="H200-SXM-141GB",
+        peak_tflops=_peaks("H200"),
+        hbm_bytes=141 * GB,
+        hbm_bytes_per_s=4800 * GB,
+        intra_node_bytes_per_s=450 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        source="NVIDIA H200 datasheet; DGX H200 (400 Gb/s NIC per GPU)",
+        **_GPU_CONSTANTS,
+    ),
+}
+
+
+def profile_named(name: str, threads: int = 1) -> HardwareProfile:
+    """A profile by name ('a100', 'h100', 'h800', 'h200', or 'cpu' once `megascale calibrate` has measured
+    this machine with `threads` threads per process)."""
+    key = name.lower()
+    if key == "cpu":
+        from megascale.plan.calibrate import cpu_profile  # imported here: it pulls in the model and gloo
+
+        return cpu_profile(threads)
+    if key not in PROFILES:
+        raise ConfigError(
+            f"plan: --hardware {name!r} is unknown; choose one of {', '.join([*PROFILES, 'cpu'])}"
+        )
+    return PROFILES[key]

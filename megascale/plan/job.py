@@ -1,0 +1,133 @@
+"""What the cost model is asked about: a job (model, sequence, batch), a layout, the system's features.
+
+These are plain values, separate from the training config: the planner also describes systems megascale
+is not (Megatron-LM as the MegaScale paper ran it), and layouts no config has yet. `layout_from_config`
+reads a layout from a megascale job config, so a planned layout and a trained one are the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.config import JobConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each copy the training state keeps, and per activation element."""
+
+    weight_bytes: int  # the weights the forward reads (and data parallelism all-gathers)
+    grad_bytes: int  # gradients as accumulated and reduce-scattered
+    optimizer_bytes: int  # optimizer state per parameter (fp32 master copy + moments)
+    activation_bytes: int
+
+
+# Megatron-LM mixed precision: bf16 weights, fp32 main gradients, fp32 master weights + Adam moments.
+MIXED_BF16 = Precision(weight_bytes=2, grad_bytes=4, optimizer_bytes=12, activation_bytes=2)
+# megascale: fp32 weights and optimizer state, bf16 autocast or fp32 compute (training.dtype).
+FP32_WEIGHTS = Precision(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The work of one optimizer step: a model, its sequence length and the global batch in sequences."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    dtype: str = "bfloat16"
+    precision: Precision = MIXED_BF16
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is spread over devices; tp x pp x dp = devices."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    micro_batch: int = 1
+    zero_stage: int = 1  # 1: optimizer state sharded over dp; 2: + gradients; 3: + weights
+    recompute: str = "selective"  # "none", "selective" (attention core) or "full" (whole blocks)
+    sequence_parallel: bool = True
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def micro_batches(self, job: Job) -> int:
+        """Micro-batches each pipeline runs per step."""
+        return job.global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (
+            f"tp{self.tp} pp{self.pp}{chunks} dp{self.dp} mb{self.micro_batch} "
+            f"zero{self.zero_stage} recompute={self.recompute}"
+        )
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which of the system's optimisations are on (paper §3); all off is Megatron-LM as the paper ran it."""
+
+    tp_overlap: bool = False  # chunked all-gather/GEMM and GEMM/reduce-scatter (§3.2, Fig. 3)
+    pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
+    dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
+    fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
+    async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
+    dp_sync_per_micro_batch: bool = False  # FSDP2 as megascale applies it: DP traffic every micro-batch
+    host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
+
+
+# 0.2 s of host stall per step without async data: Table 3's "misc optimizations" step (+1.1 MFU points at
+# about 13 s per step) removed about that much.
+MEGATRON = Features(host_overhead_s=0.2)
+MEGASCALE = Features(
+    tp_overlap=True,
+    pp_overlap=True,
+    dp_overlap=True,
+    fused_kernels=True,
+    async_data=True,
+    host_overhead_s=0.2,
+)
+
+
+# megascale's own trainer: FSDP2 synchronises every micro-batch; no overlap is modelled (on CPU, gloo
+# collectives and compute share the same cores).
+MEGASCALE_TRAINER = Features(dp_sync_per_micro_batch=True)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How many devices, and how often a host is a computational straggler (paper §5.1, §6.3)."""
+
+    devices: int
+    straggler_host_fraction: float = 0.0
+    straggler_slowdown: float = 0.0
+
+
+def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
+    """The layout a megascale config would train with on `devices` processes."""
+    par = cfg.parallel
+    dp = devices // (par.tp * par.pp)
+    return Layout(
+        tp=par.tp,
+        pp=par.pp,
+        dp=dp,
+        virtual_stages=par.pp_virtual_stages,
+        micro_batch=cfg.training.micro_batch_size,
+        zero_stage=par.zero_stage if dp > 1 else 1,
+        recompute=par.activation_checkpoint,
+        sequence_parallel=par.sequence_parallel,
+    )
+
+
+def job_from_config(cfg: JobConfig) -> Job:
+    """The step a megascale config trains: its model, sequence, global batch and precision."""
+    return Job(cfg.model, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.dtype, FP32_WEIGHTS)

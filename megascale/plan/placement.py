@@ -1,0 +1,82 @@
+"""Topology-aware placement: which global rank holds which (pipeline, data, tensor) coordinate, and where.
+
+Ranks fill nodes in order (ranks 0..7 on node 0 for 8 GPUs per node) and nodes fill pods (64 servers share
+one set of ToR switches, paper §3.6). TP is always innermost, so a TP group sits inside one node on its
+fastest links; the choice left is which of DP and PP comes next. Paper §2 builds DP groups before PP
+groups, "which can mitigate cross-minipod communication for data parallelism": DP moves every gradient
+and weight in synchronised bursts, PP moves activations at stage boundaries, spread over the step.
+`choose_rank_order` keeps DP groups in the fewest pods and nodes, then PP groups; the orders are exactly the
+ones `parallel.rank_order` accepts (`megascale.parallel.dims.MESH_ORDERS`), so the launcher and the
+trainer number ranks the way the plan placed them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from megascale.parallel.dims import MESH_ORDERS
+from megascale.plan.hardware import HardwareProfile
+from megascale.plan.job import Layout
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A rank order, every rank's coordinates, and how far each kind of group reaches."""
+
+    rank_order: str
+    coordinates: list[dict[str, int]]  # indexed by global rank: {"pp", "dp", "tp", "node", "pod"}
+    nodes_spanned: dict[str, int]  # the most nodes any group of each kind ("tp", "dp", "pp") touches
+    pods_spanned: dict[str, int]
+
+    def describe(self) -> str:
+        parts = [
+            f"{kind.upper()} groups span {self.nodes_spanned[kind]} node(s) "
+            f"in {self.pods_spanned[kind]} pod(s)"
+            for kind in ("tp", "dp", "pp")
+        ]
+        return f"rank order {self.rank_order} (--parallel.rank_order={self.rank_order}): " + "; ".join(parts)
+
+
+def rank_coordinates(layout: Layout, rank_order: str) -> list[dict[str, int]]:
+    """Each global rank's (pp, dp, tp), numbered as ParallelDims numbers its mesh (dp_replicate = 1)."""
+    sizes = {"pp": layout.pp, "dp_replicate": 1, "dp_shard": layout.dp, "tp": layout.tp}
+    names = MESH_ORDERS[rank_order]
+    coordinates = []
+    for index in itertools.product(*(range(sizes[name]) for name in names)):  # row-major: rank order
+        where = dict(zip(names, index))
+        coordinates.append({"pp": where["pp"], "dp": where["dp_shard"], "tp": where["tp"]})
+    return coordinates
+
+
+def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placement:
+    """Put `layout`'s ranks on nodes and pods in `rank_order`."""
+    coordinates = rank_coordinates(layout, rank_order)
+    per_pod = profile.devices_per_node * profile.nodes_per_pod
+    for rank, where in enumerate(coordinates):
+        where["node"], where["pod"] = rank // profile.devices_per_node, rank // per_pod
+    nodes, pods = {}, {}
+    for kind in ("tp", "dp", "pp"):
+        others = [name for name in ("pp", "dp", "tp") if name != kind]
+        groups: dict[tuple[int, int], list[dict[str, int]]] = {}
+        for where in coordinates:
+            groups.setdefault(tuple(where[name] for name in others), []).append(where)
+        nodes[kind] = max(len({where["node"] for where in group}) for group in groups.values())
+        pods[kind] = max(len({where["pod"] for where in group}) for group in groups.values())
+    return Placement(rank_order, coordinates, nodes, pods)
+
+
+def choose_rank_order(layout: Layout, profile: HardwareProfile) -> Placement:
+    """The order that keeps DP groups in the fewest pods, then nodes, and then PP groups likewise; ties go
+    to paper §2's tp-dp-pp. DP comes first as in the paper: its collectives are synchronised bursts of every
+    gradient and weight at the end of a step, while PP's transfers spread over the step behind compute."""
+
+    def cost(placement: Placement) -> tuple[int, ...]:
+        return tuple(
+            count
+            for kind in ("dp", "pp")
+            for count in (placement.pods_spanned[kind], placement.nodes_spanned[kind])
+        )
+
+    candidates = [place(layout, profile, order) for order in MESH_ORDERS]  # tp-dp-pp first: wins ties
+    return min(candidates, key=cost)

@@ -1,0 +1,179 @@
+"""What `megascale plan` prints: the job, the fastest layouts, the best one's placement and overrides.
+
+Each layout's line splits its step into compute, exposed communication, pipeline bubble and the rest;
+`--explain` lists every term of the step model (`megascale.plan.step`) with what it stands for, the memory
+by kind and the hardware profile's constants, so a prediction can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megascale.config import JobConfig, load_config
+from megascale.errors import ConfigError
+from megascale.models.flops import flops_per_token, num_params
+from megascale.plan.hardware import HardwareProfile, profile_named
+from megascale.plan.job import (
+    MEGASCALE,
+    MEGASCALE_TRAINER,
+    MEGATRON,
+    MIXED_BF16,
+    Cluster,
+    Job,
+    Layout,
+    job_from_config,
+    layout_from_config,
+)
+from megascale.plan.paper import STRAGGLER_HOST_FRACTION, STRAGGLER_SLOWDOWN
+from megascale.plan.placement import choose_rank_order
+from megascale.plan.search import MEMORY_HEADROOM, Plan, memory_limit_bytes, search
+from megascale.plan.step import estimate_step
+
+SYSTEMS = {"megascale": MEGASCALE, "megatron-lm": MEGATRON, "trainer": MEGASCALE_TRAINER}
+GROUPS = {
+    "compute": ("gemm", "attention", "elementwise", "host_dispatch", "recompute", "output_layer"),
+    "comm": ("tp_exposed", "pp_exposed", "dp_exposed"),
+    "bubble": ("bubble",),
+    "other": ("stragglers", "core_sharing", "optimizer", "host"),
+}
+EXPLAIN = {
+    "gemm": "linear layers: 6 x tokens x weights / tp FLOPs, each GEMM at the efficiency its size earns",
+    "attention": "score matmuls in a FlashAttention kernel (v2 with fused kernels, else v1 at half speed)",
+    "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM",
+    "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
+    "recompute": "the forward again under full activation checkpointing",
+    "output_layer": "vocabulary projection on the last stage (and host time outside the blocks)",
+    "tp_exposed": "TP/SP all-gathers and reduce-scatters not hidden behind GEMMs",
+    "pp_exposed": "blocking pipeline sends/receives (none with PP overlap)",
+    "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
+    "stragglers": "expected wait for the slowest host (0.5% of hosts 10% slower, paper §5.1, §6.3)",
+    "core_sharing": "processes taking turns on a CPU's cores",
+    "dp_exposed": "gradient reduce-scatter and weight all-gather(s) not hidden behind compute",
+    "optimizer": "optimizer update through memory, plus the per-step work nothing overlaps",
+    "host": "data loading and host stalls the system does not hide",
+}
+
+
+def plan_and_render(args) -> str:
+    """The plan for `megascale plan`'s parsed arguments (see megascale.plan.command), as text."""
+    cfg = load_config(args.config, getattr(args, "overrides", []))
+    profile = profile_named(args.hardware, threads=cfg.training.threads or 1)
+    system = args.system or ("trainer" if args.hardware == "cpu" else "megascale")
+    job = _job(cfg, args.batch, system)
+    stragglers = (0.0, 0.0) if args.hardware == "cpu" else (STRAGGLER_HOST_FRACTION, STRAGGLER_SLOWDOWN)
+    cluster = Cluster(args.devices, *stragglers)
+    features = SYSTEMS[system]
+    if args.config_layout:
+        layout = _config_layout(cfg, args.devices, job)
+        plans = [Plan(layout, estimate_step(job, layout, features, profile, cluster))]
+    else:
+        fixed = {key: getattr(args, key) for key in ("tp", "pp") if getattr(args, key) is not None}
+        plans = search(job, cluster, profile, features, fixed, skip_selective=features.fused_kernels)
+    return render(job, plans[: args.top], profile, cluster, system, args.explain)
+
+
+def _job(cfg: JobConfig, batch: int | None, system: str) -> Job:
+    job = job_from_config(cfg)
+    job = dataclasses.replace(job, global_batch=batch or job.global_batch)
+    return job if system == "trainer" else dataclasses.replace(job, precision=MIXED_BF16)
+
+
+def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
+    par = cfg.parallel
+    if devices % (par.tp * par.pp):
+        raise ConfigError(
+            f"plan: --devices {devices} is not a multiple of parallel.tp x parallel.pp = {par.tp * par.pp}; "
+            "give a multiple, or drop --config-layout to search"
+        )
+    layout = layout_from_config(cfg, devices)
+    if job.global_batch % (layout.dp * layout.micro_batch):
+        raise ConfigError(
+            f"plan: --batch {job.global_batch} does not divide over dp {layout.dp} x micro-batch "
+            f"{layout.micro_batch}; use a multiple of {layout.dp * layout.micro_batch}"
+        )
+    return layout
+
+
+def config_overrides(layout: Layout, rank_order: str) -> str:
+    """The overrides that make `megascale train` run `layout`."""
+    schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b"
+    zero = f" --parallel.zero_stage={layout.zero_stage}" if layout.dp > 1 else ""
+    return (
+        f"--parallel.tp={layout.tp} --parallel.pp={layout.pp} "
+        f"--parallel.pp_virtual_stages={layout.virtual_stages} "
+        f"--parallel.pp_schedule={schedule} --training.micro_batch_size={layout.micro_batch}{zero} "
+        f"--parallel.activation_checkpoint={layout.recompute} --parallel.rank_order={rank_order}"
+    )
+
+
+def render(
+    job: Job, plans: list[Plan], profile: HardwareProfile, cluster: Cluster, system: str, explain: bool
+) -> str:
+    """The plan as text: a header, one line per layout, the best one's placement and overrides."""
+    model = job.model
+    lines = [
+        f"{_millions(num_params(model))} parameters, {flops_per_token(model, job.seq_len):.3e} FLOPs/token, "
+        f"batch {job.global_batch} x {job.seq_len} tokens on {cluster.devices:,} x {profile.name}, "
+        f"system {system}",
+        f"{'#':>2}  {'layout':<42} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'memory GB':>10}  "
+        + "  ".join(f"{group:>7}" for group in GROUPS),
+    ]
+    limit_gb = memory_limit_bytes(profile, cluster.devices) / 1e9
+    for index, plan in enumerate(plans, 1):
+        estimate = plan.estimate
+        groups = {group: sum(estimate.terms_s[term] for term in terms) for group, terms in GROUPS.items()}
+        lines.append(
+            f"{index:>2}  {plan.layout.describe():<42} {estimate.step_s:>9.4g} "
+            f"{estimate.tokens_per_s:>12,.0f} "
+            f"{100 * estimate.mfu:>5.1f}% {estimate.memory.total_bytes / 1e9:>10.1f}  "
+            + "  ".join(f"{100 * seconds / estimate.step_s:>6.1f}%" for seconds in groups.values())
+        )
+    best = plans[0]
+    placement = choose_rank_order(best.layout, profile)
+    lines += [
+        f"memory limit {limit_gb:.1f} GB per device ({MEMORY_HEADROOM:.0%} of "
+        f"{profile.hbm_bytes / 1e9:.0f} GB{' shared by the processes' if profile.host_cores else ''})",
+        f"placement of #1: {placement.describe()}",
+        f"train #1 with: {config_overrides(best.layout, placement.rank_order)}",
+    ]
+    if explain:
+        lines += explain_lines(best, profile)
+    return "\n".join(lines) + "\n"
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
+
+
+def explain_lines(plan: Plan, profile: HardwareProfile) -> list[str]:
+    """Every term of one step, the memory by kind, and the profile's constants."""
+    estimate = plan.estimate
+    lines = [
+        "",
+        f"step of #1 ({plan.layout.describe()}), {estimate.micro_batches} micro-batches per pipeline:",
+    ]
+    for term, seconds in estimate.terms_s.items():
+        lines.append(
+            f"  {term:<14} {seconds:>11.4g} s {100 * seconds / estimate.step_s:>6.1f}%  {EXPLAIN[term]}"
+        )
+    lines.append(f"  {'step':<14} {estimate.step_s:>11.4g} s")
+    memory = estimate.memory
+    lines.append(
+        "memory per device: "
+        + ", ".join(
+            f"{name} {value / 1e9:.2f} GB"
+            for name, value in (
+                ("weights", memory.weights_bytes),
+                ("gradients", memory.grads_bytes),
+                ("optimizer", memory.optimizer_bytes),
+                ("activations", memory.activations_bytes),
+            )
+        )
+    )
+    lines.append(
+        f"profile {profile.name}: gemm efficiency {profile.gemm_efficiency:.2f} (half at "
+        f"{profile.gemm_half_flops:.3g} FLOPs), attention {profile.attention_efficiency:.2f}, network "
+        f"{profile.network_efficiency:.2f}, intra-node {profile.intra_node_bytes_per_s / 1e9:.3g} GB/s, "
+        f"inter-node {profile.inter_node_bytes_per_s / 1e9:.3g} GB/s; source: {profile.source}"
+    )
+    return lines

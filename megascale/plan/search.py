@@ -1,0 +1,116 @@
+"""Parallel-strategy search: every legal layout of a job on a cluster, kept if it fits, ranked by step time.
+
+The automatic strategy veGiantModel offered (DESIGN.md, plan/), over the same choices megascale's config
+exposes: TP within a node, pipeline stages and interleaved chunks, micro-batch size, ZeRO stage and
+recomputation. A layout is legal under the rules `megascale.parallel.dims.ParallelDims` enforces (degrees
+dividing heads and the vocabulary, the batch dividing evenly, at least pp micro-batches, interleaving
+needing a multiple of pp); it is kept if its peak memory fits the device with MEMORY_HEADROOM to spare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.errors import ConfigError
+from megascale.plan.hardware import HardwareProfile
+from megascale.plan.job import Cluster, Features, Job, Layout
+from megascale.plan.step import StepEstimate, estimate_step
+
+MEMORY_HEADROOM = 0.9  # of device memory usable by the model: the allocator, CUDA context, NCCL buffers
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+MAX_VIRTUAL_STAGES = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    estimate: StepEstimate
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    job: Job, devices: int, profile: HardwareProfile, fixed: dict[str, int], recomputes: tuple[str, ...]
+) -> list[Layout]:
+    """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8})."""
+    model = job.model
+    layouts = []
+    for tp in divisors(devices):
+        shapes = (model.dim, model.attention.n_heads, model.attention.n_kv_heads, model.vocab_size)
+        if tp > profile.devices_per_node or any(size % tp for size in shapes):
+            continue
+        for pp in divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if pp > model.n_layers or job.global_batch % dp:
+                continue
+            for micro_batch in MICRO_BATCHES:
+                if (job.global_batch // dp) % micro_batch:
+                    continue
+                micro_batches = job.global_batch // (dp * micro_batch)
+                if pp > 1 and micro_batches < pp:
+                    continue
+                for virtual_stages in _virtual_stage_choices(model.n_layers, pp, micro_batches):
+                    for zero_stage in (2, 3) if dp > 1 else (1,):
+                        for recompute in recomputes:
+                            layout = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute)
+                            if all(getattr(layout, key) == value for key, value in fixed.items()):
+                                layouts.append(layout)
+    return layouts
+
+
+def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int) -> list[int]:
+    if pp == 1:
+        return [1]
+    interleaved = [
+        v for v in range(2, MAX_VIRTUAL_STAGES + 1) if n_layers % (pp * v) == 0 and micro_batches % pp == 0
+    ]
+    return [1, *interleaved]
+
+
+def memory_limit_bytes(profile: HardwareProfile, devices: int) -> float:
+    """What one device may use: its memory less headroom, or on a CPU its share of the host's."""
+    sharing = min(devices, profile.devices_per_node) if profile.host_cores else 1
+    return MEMORY_HEADROOM * profile.hbm_bytes / sharing
+
+
+def search(
+    job: Job,
+    cluster: Cluster,
+    profile: HardwareProfile,
+    features: Features,
+    fixed: dict[str, int] | None = None,
+    skip_selective: bool = False,
+) -> list[Plan]:
+    """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal or none fits.
+    `skip_selective` leaves out selective recomputation, which is the same as none with fused attention."""
+    recomputes = ("none", "full") if skip_selective else ("none", "selective", "full")
+    layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes)
+    if not layouts:
+        pinned = "".join(f" --{key} {value}" for key, value in (fixed or {}).items())
+        raise ConfigError(
+            f"plan: no legal layout of {cluster.devices} devices for batch {job.global_batch}{pinned}: "
+            "the batch "
+            "must divide over data parallelism and give every pipeline at least pp micro-batches; try a "
+            "--batch that is a multiple of --devices, or unpin --tp/--pp"
+        )
+    limit_bytes = memory_limit_bytes(profile, cluster.devices)
+    plans, smallest = [], None
+    for layout in layouts:
+        estimate = estimate_step(job, layout, features, profile, cluster)
+        if estimate.memory.total_bytes <= limit_bytes:
+            plans.append(Plan(layout, estimate))
+        elif smallest is None or estimate.memory.total_bytes < smallest.estimate.memory.total_bytes:
+            smallest = Plan(layout, estimate)
+    if not plans:
+        memory = smallest.estimate.memory
+        state_bytes = memory.total_bytes - memory.activations_bytes
+        fix = "use more --devices" if state_bytes > limit_bytes else "use more --devices or a smaller --batch"
+        raise ConfigError(
+            f"plan: no layout fits {limit_bytes / 1e9:.1f} GB per device ({profile.name}); the smallest, "
+            f"{smallest.layout.describe()}, needs "
+            f"{memory.total_bytes / 1e9:.1f} GB ({state_bytes / 1e9:.1f} GB of it weights, gradients and "
+            f"optimizer state): {fix}"
+        )
+    return sorted(plans, key=lambda plan: plan.estimate.step_s)

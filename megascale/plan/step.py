@@ -1,0 +1,174 @@
+"""The analytical model of one training step: seconds by term, tokens/s, MFU and memory (paper §2, §3).
+
+A step is the pipeline's work plus what the schedule cannot hide:
+
+    step = straggler * (m + bubble) * t_mb + exposed DP + optimizer + host
+    t_mb = blocks_per_stage * (block + exposed TP/SP) [+ output layer on the last stage] + exposed PP p2p
+
+t_mb is one micro-batch through the slowest stage (forward and backward). The bubble is (pp - 1) micro-
+batch times for 1F1B and (pp - 1)/v for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021).
+What each overlap of paper §3.2 hides:
+- TP/SP: the all-gather fused into the column-parallel GEMM and the reduce-scatter into the row-parallel
+  one (Fig. 3) hide all but the first of TP_OVERLAP_CHUNKS chunks, as far as the GEMMs last; with a serial
+  block only the MLP's pair is fused, half the traffic.
+- PP: decoupled, asynchronous sends and receives leave no transfer on the critical path in the steady
+  phase; without them every transfer of a micro-batch is waited for.
+- DP: per-chunk all-gathers before each chunk's forward and reduce-scatters after its backward leave only
+  the last chunk's reduce-scatter, 1/(2v) of the traffic, exposed (the first all-gather overlaps data
+  loading) -- as long as the compute is long enough to cover the rest.
+Stragglers: synchronous training runs at the pace of its slowest host. With a fraction f of hosts slower by
+d (paper §5.1: about 0.5% of hosts; §6.3: about 10% slower), a job on n hosts computes at
+1 + d * (1 - (1 - f)^n) times the healthy pace in expectation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.models.flops import flops_per_token
+from megascale.plan.comm import gather_or_scatter_seconds, group_spans_nodes, send_seconds
+from megascale.plan.compute import block_time, output_layer_seconds
+from megascale.plan.hardware import HardwareProfile
+from megascale.plan.job import Cluster, Features, Job, Layout
+from megascale.plan.memory import Memory, memory_per_device, stage_params
+
+TP_OVERLAP_CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """A predicted step: its seconds by term (they add up to `step_s`), throughput, MFU and memory."""
+
+    terms_s: dict[str, float]
+    tokens_per_s: float
+    mfu: float
+    memory: Memory
+    micro_batches: int
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.terms_s.values())
+
+
+def estimate_step(
+    job: Job, layout: Layout, features: Features, profile: HardwareProfile, cluster: Cluster
+) -> StepEstimate:
+    """Predict one step of `job` laid out as `layout` on `cluster` devices of `profile`."""
+    model, m = job.model, layout.micro_batches(job)
+    blocks = model.n_layers / layout.pp
+    block = block_time(job, layout, profile, features.fused_kernels)
+    tp_exposed_s = _tp_exposed_seconds(job, layout, profile, features, block.gemm_s)
+    output_s = output_layer_seconds(job, layout, profile)
+    pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile)
+    micro_batch_s = blocks * (block.total_s + tp_exposed_s) + output_s + pp_exposed_s
+    bubble = _bubble_micro_batches(layout)
+    slowdown = _straggler_slowdown(cluster, profile)
+    dp_exposed_s = _dp_exposed_seconds(job, layout, profile, features, m * micro_batch_s)
+    per_block = m * blocks
+    terms = {
+        "gemm": per_block * block.gemm_s,
+        "attention": per_block * block.attention_s,
+        "elementwise": per_block * block.elementwise_s,
+        "host_dispatch": per_block * block.host_s,
+        "recompute": per_block * block.recompute_s,
+        "output_layer": m * output_s,
+        "tp_exposed": per_block * tp_exposed_s,
+        "pp_exposed": m * pp_exposed_s,
+        "bubble": bubble * micro_batch_s,
+        "stragglers": (slowdown - 1) * (m + bubble) * micro_batch_s,
+        "core_sharing": (_core_sharing(cluster, profile) - 1) * (m + bubble) * micro_batch_s,
+        "dp_exposed": dp_exposed_s,
+        "optimizer": _optimizer_seconds(job, layout, profile),
+        "host": 0.0 if features.async_data else features.host_overhead_s,
+    }
+    step_s = sum(terms.values())
+    tokens_per_s = job.tokens_per_step / step_s
+    peak = cluster.devices * profile.peak_flops(job.dtype)
+    memory = memory_per_device(job, layout)
+    return StepEstimate(
+        terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m
+    )
+
+
+def _tp_exposed_seconds(
+    job: Job, layout: Layout, profile: HardwareProfile, features: Features, gemm_s: float
+) -> float:
+    """TP/SP collective seconds per block per micro-batch (forward + backward) that stay on the critical
+    path."""
+    if layout.tp == 1:
+        return 0.0
+    # Megatron's sequence parallelism: a column-parallel group all-gathers its input forward, and all-gathers
+    # it again and reduce-scatters its input gradient backward; a row-parallel one reduce-scatters forward
+    # and all-gathers backward. A serial block has two of each, a parallel block (PTB) one.
+    groups = 1 if job.model.block == "parallel" else 2
+    collectives = groups * (5 + (2 if layout.recompute == "full" else 0))
+    payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes
+    cross = group_spans_nodes(1, layout.tp, profile.devices_per_node)
+    comm_s = collectives * gather_or_scatter_seconds(payload, layout.tp, profile, cross)
+    if not features.tp_overlap:
+        return comm_s
+    fused_share = 1.0 if job.model.block == "parallel" else 0.5  # a serial block fuses only the MLP's pair
+    fused_s = fused_share * comm_s
+    exposed_fused_s = fused_s / TP_OVERLAP_CHUNKS + max(0.0, fused_s - fused_share * gemm_s)
+    return comm_s - fused_s + exposed_fused_s
+
+
+def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+    """Blocking p2p seconds per micro-batch on a stage: a receive/send pair per chunk, forward and
+    backward."""
+    if layout.pp == 1:
+        return 0.0
+    shard = layout.tp if layout.sequence_parallel else 1
+    payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes / shard
+    cross = group_spans_nodes(layout.tp * layout.dp, layout.pp, profile.devices_per_node)
+    return 2 * layout.virtual_stages * send_seconds(payload, profile, cross)
+
+
+def _bubble_micro_batches(layout: Layout) -> float:
+    """Idle time of the pipeline's fill and drain, in micro-batch times."""
+    return (layout.pp - 1) / layout.virtual_stages
+
+
+def _core_sharing(cluster: Cluster, profile: HardwareProfile) -> float:
+    """How many processes take turns on each core of a host (1 when devices compute on their own)."""
+    if not profile.host_cores:
+        return 1.0
+    return max(1.0, min(cluster.devices, profile.devices_per_node) / profile.host_cores)
+
+
+def _straggler_slowdown(cluster: Cluster, profile: HardwareProfile) -> float:
+    hosts = max(1, cluster.devices // profile.devices_per_node)
+    return 1 + cluster.straggler_slowdown * (1 - (1 - cluster.straggler_host_fraction) ** hosts)
+
+
+def _dp_exposed_seconds(
+    job: Job, layout: Layout, profile: HardwareProfile, features: Features, compute_s: float
+) -> float:
+    """Data-parallel seconds per step on the critical path: the gradient reduce-scatter and the weight
+    all-gather(s), less what overlaps `compute_s`."""
+    if layout.dp == 1:
+        return 0.0
+    params = stage_params(job, layout)
+    precision = job.precision
+    gathers = 2 if layout.zero_stage >= 3 else 1  # ZeRO-3 gathers the weights again for the backward
+    cross = group_spans_nodes(layout.tp, layout.dp, profile.devices_per_node)
+    units = job.model.n_layers / layout.pp + 1  # one collective per block (FSDP unit) and one for the rest
+    sync_s = sum(
+        gather_or_scatter_seconds(params * nbytes / units, layout.dp, profile, cross) * units
+        for nbytes in (precision.grad_bytes, *[precision.weight_bytes] * gathers)
+    )
+    total_s = sync_s * (layout.micro_batches(job) if features.dp_sync_per_micro_batch else 1)
+    if not features.dp_overlap:
+        return total_s
+    return max(total_s / (2 * layout.virtual_stages), total_s - compute_s)
+
+
+def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+    """The update streams this device's shard of gradients, master weights and moments through memory;
+    the per-step work over all the weights it holds (gradient buffers zeroed, norms, inf checks, weight
+    copies, each a launch or a sync of its own) costs the profile's seconds per parameter."""
+    precision = job.precision
+    params = stage_params(job, layout) / (layout.dp if layout.zero_stage >= 1 else 1)
+    touched = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.weight_bytes
+    held = stage_params(job, layout)
+    return params * touched / profile.hbm_bytes_per_s + held * profile.step_seconds_per_param

@@ -1,0 +1,100 @@
+"""`megascale plan` from the command line: the table, --explain, the placement, and one-line errors."""
+
+from pathlib import Path
+
+import pytest
+
+from megascale.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+PAPER_175B = str(REPO / "configs" / "paper-175b.toml")
+
+
+def plan(capsys, *argv):
+    status = main(["plan", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_plan_prints_the_best_layouts_placement_and_overrides(capsys):
+    status, out, _ = plan(capsys, "--config", PAPER_175B, "--devices", "256", "--batch", "768", "--top", "3")
+    assert status == 0
+    lines = out.splitlines()
+    assert (
+        "176B parameters" in lines[0]
+        and "256 x A100-SXM4-80GB" in lines[0]
+        and "system megascale" in lines[0]
+    )
+    rows = [line for line in lines if line.lstrip()[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3 and all("%" in row for row in rows)
+    assert "placement of #1: rank order tp-dp-pp" in out
+    assert "train #1 with: --parallel.tp=" in out and "--parallel.rank_order=tp-dp-pp" in out
+
+
+def test_explain_lists_every_term_memory_and_the_profile(capsys):
+    status, out, _ = plan(
+        capsys,
+        "--config",
+        PAPER_175B,
+        "--devices",
+        "12288",
+        "--config-layout",
+        "--explain",
+        "--system",
+        "megatron-lm",
+    )
+    assert status == 0
+    assert "tp8 pp8 v6 dp192 mb1 zero2" in out
+    for term in (
+        "gemm",
+        "tp_exposed",
+        "pp_exposed",
+        "dp_exposed",
+        "bubble",
+        "stragglers",
+        "optimizer",
+        "host",
+    ):
+        assert f"\n  {term} " in out
+    assert "memory per device: weights" in out and "source: NVIDIA A100 datasheet" in out
+
+
+def test_overrides_change_the_model(capsys):
+    _, dense, _ = plan(capsys, "--config", PAPER_175B, "--devices", "12288", "--config-layout")
+    _, windowed, _ = plan(
+        capsys,
+        "--config",
+        PAPER_175B,
+        "--devices",
+        "12288",
+        "--config-layout",
+        "--model.attention.window=512",
+    )
+    assert "1.077e+12 FLOPs/token" in dense and "1.056e+12 FLOPs/token" in windowed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "plan: --devices 0 must be >= 1"),
+        (["--devices", "8", "--batch", "0"], "plan: --batch 0 must be >= 1"),
+        (
+            ["--devices", "8", "--hardware", "cpu"],
+            "run `megascale calibrate --dtype float32 --threads 1` first",
+        ),
+        (["--devices", "3", "--config", PAPER_175B, "--config-layout"], "--devices 3 is not a multiple of"),
+        (["--devices", "8", "--config", PAPER_175B, "--batch", "8"], "plan: no layout fits"),
+        (["--devices", "8", "--model.nope=1"], "model.nope"),
+    ],
+)
+def test_mistakes_are_one_line_naming_the_flag_and_the_fix(capsys, argv, message):
+    status, out, err = plan(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_every_plan_flag_has_help():
+    parser = build_parser()
+    plan_parser = parser._subparsers._group_actions[0].choices["plan"]
+    for action in plan_parser._actions:
+        assert action.help, action.option_strings

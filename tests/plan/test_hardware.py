@@ -1,0 +1,60 @@
+"""Hardware profiles: one table with sources, the MFU table's peaks, and the CPU only once measured."""
+
+import json
+
+import pytest
+
+from megascale.errors import ConfigError
+from megascale.observe.peak import PEAK_TFLOPS, calibrate
+from megascale.plan import calibrate as plan_calibrate
+from megascale.plan.command import HARDWARE
+from megascale.plan.hardware import PROFILES, profile_named
+
+
+def test_every_gpu_profile_cites_its_datasheet_and_uses_the_mfu_peaks():
+    assert list(HARDWARE) == [*PROFILES, "cpu"]
+    for key, profile in PROFILES.items():
+        assert "datasheet" in profile.source or "product brief" in profile.source
+        assert profile.peak_tflops["bfloat16"] == PEAK_TFLOPS[(key.upper(), "bfloat16")]
+        assert profile.inter_node_bytes_per_s < profile.intra_node_bytes_per_s < profile.hbm_bytes_per_s
+
+
+def test_an_unknown_profile_is_refused_by_name():
+    with pytest.raises(
+        ConfigError, match=r"--hardware 'tpu' is unknown; choose one of a100, h100, h800, h200, cpu"
+    ):
+        profile_named("tpu")
+
+
+def test_the_cpu_profile_refuses_to_exist_before_calibration():
+    with pytest.raises(ConfigError, match=r"run `megascale calibrate --dtype float32 --threads 1` first"):
+        profile_named("cpu")
+
+
+def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
+    monkeypatch.setattr("megascale.observe.peak.measure_matmul_tflops", lambda dtype, threads: 0.1)
+    calibrate("float32", 1)
+    measured = {
+        "small_gemm_flops_per_s": 0.05e12,
+        "memory_bytes_per_s": 4e9,
+        "block_host_s": 0.002,
+        "model_host_s": 0.001,
+        "collective_latency_s": 3e-4,
+        "gather_bytes_per_s": 3e8,
+        "scatter_bytes_per_s": 2e8,
+        "tp_block_host_s": 0.05,
+        "fsdp_block_host_s": 0.015,
+    }
+    path = plan_calibrate.profile_cache()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({plan_calibrate.cache_key(1): measured}))
+    profile = profile_named("cpu")
+    assert profile.peak_flops("float32") == pytest.approx(0.1e12)
+    assert profile.intra_node_bytes_per_s == pytest.approx(2 / (1 / 3e8 + 1 / 2e8))
+    assert profile.tp_layer_overhead_s == pytest.approx(0.048)
+    assert profile.dp_layer_overhead_s == pytest.approx(0.013)
+    # the small GEMM ran at half the peak, so a GEMM of its size earns half the efficiency
+    small = 2 * 256 * 128 * 384
+    assert profile.gemm_efficiency * small / (small + profile.gemm_half_flops) == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match=r"--dtype 'bfloat16' has no peak"):
+        profile.peak_flops("bfloat16")

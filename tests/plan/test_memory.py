@@ -1,0 +1,64 @@
+"""Memory per device against a hand count for a small model, and how ZeRO stages and recomputation move it."""
+
+import dataclasses
+
+import pytest
+
+from megascale.plan.job import FP32_WEIGHTS, MIXED_BF16, Job, Layout
+from megascale.plan.memory import activation_bytes_per_block, memory_per_device, stage_params
+from tests.parallel.tiny import tiny_model_config
+
+# tiny: dim 64, 2 layers, vocabulary 96, 4 query / 2 key-value heads (head size 16), SwiGLU width 192.
+# One block: q and o 64x64 each, k and v 64x32 each = 12,288; MLP 3 x 64 x 192 = 36,864; two norms 128.
+BLOCK = 12_288 + 36_864 + 128
+EMBEDDINGS = 2 * 96 * 64  # input embedding and output layer, untied
+JOB = Job(tiny_model_config(), seq_len=32, global_batch=8, dtype="float32", precision=FP32_WEIGHTS)
+
+
+def test_parameters_of_the_heaviest_stage():
+    assert stage_params(JOB, Layout()) == 2 * BLOCK + EMBEDDINGS
+    assert stage_params(JOB, Layout(pp=2)) == BLOCK + 96 * 64  # one block and one of the two embeddings
+    assert stage_params(JOB, Layout(tp=2)) == (2 * BLOCK + EMBEDDINGS) / 2
+
+
+def test_training_state_by_zero_stage_matches_a_hand_count():
+    params = 2 * BLOCK + EMBEDDINGS
+    # fp32 weights (4 bytes), fp32 gradients (4), Adam moments (8); dp 2.
+    expected = {
+        1: (4 * params, 4 * params, 8 * params / 2),
+        2: (4 * params, 4 * params / 2, 8 * params / 2),
+        3: (4 * params / 2, 4 * params / 2, 8 * params / 2),
+    }
+    for stage, (weights, grads, optimizer) in expected.items():
+        memory = memory_per_device(JOB, Layout(dp=2, micro_batch=2, zero_stage=stage))
+        assert (memory.weights_bytes, memory.grads_bytes, memory.optimizer_bytes) == (
+            weights,
+            grads,
+            optimizer,
+        )
+
+
+def test_activations_follow_korthikanti_and_shrink_with_recomputation():
+    s, b, h = 32, 2, 64
+    layout = Layout(micro_batch=b, recompute="none")
+    # 34 bytes per (token x hidden) at 2-byte activations; fp32 doubles it.
+    assert activation_bytes_per_block(JOB, layout) == s * b * h * 34 * 2
+    full = dataclasses.replace(layout, recompute="full")
+    assert activation_bytes_per_block(JOB, full) == s * b * h * 2 * 2  # only the block's input
+    tp = dataclasses.replace(layout, tp=2)
+    assert activation_bytes_per_block(JOB, tp) == s * b * h * 34 * 2 / 2  # sequence parallel: all of it / t
+    no_sp = dataclasses.replace(tp, sequence_parallel=False)
+    assert activation_bytes_per_block(JOB, no_sp) == s * b * h * (10 + 24 / 2) * 2
+    memory = memory_per_device(JOB, layout)
+    logits = 2 * 4 * b * s * 96
+    assert memory.activations_bytes == 2 * s * b * h * 34 * 2 + logits
+
+
+def test_the_first_stage_holds_pp_micro_batches_more_when_interleaved():
+    job = dataclasses.replace(JOB, model=tiny_model_config(n_layers=4), precision=MIXED_BF16, global_batch=16)
+    one_f_one_b = memory_per_device(job, Layout(pp=2, micro_batch=1))
+    interleaved = memory_per_device(job, Layout(pp=2, micro_batch=1, virtual_stages=2))
+    per_stage = 2 * activation_bytes_per_block(job, Layout(pp=2, micro_batch=1))
+    logits = 2 * 4 * 32 * 96
+    assert one_f_one_b.activations_bytes == pytest.approx(2 * per_stage + logits)
+    assert interleaved.activations_bytes == pytest.approx(2 * (1 + 1 / 4) * per_stage + logits)

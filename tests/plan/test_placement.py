@@ -1,0 +1,42 @@
+"""Placement: TP inside a node, DP before PP (paper §2), numbered exactly as ParallelDims numbers ranks."""
+
+import numpy as np
+import pytest
+
+from megascale.parallel.dims import MESH_ORDERS
+from megascale.plan.hardware import PROFILES
+from megascale.plan.job import Layout
+from megascale.plan.paper import LAYOUT_175B
+from megascale.plan.placement import choose_rank_order, place, rank_coordinates
+
+A100 = PROFILES["a100"]
+
+
+@pytest.mark.parametrize("order", list(MESH_ORDERS))
+def test_coordinates_match_the_device_mesh_numbering(order):
+    layout = Layout(tp=2, pp=3, dp=4)
+    sizes = {"pp": 3, "dp_replicate": 1, "dp_shard": 4, "tp": 2}
+    names = MESH_ORDERS[order]
+    mesh = np.arange(24).reshape([sizes[name] for name in names])  # DeviceMesh lays ranks out row-major
+    for rank, where in enumerate(rank_coordinates(layout, order)):
+        index = {"pp": where["pp"], "dp_replicate": 0, "dp_shard": where["dp"], "tp": where["tp"]}
+        assert mesh[tuple(index[name] for name in names)] == rank
+
+
+def test_tp_groups_stay_inside_a_node_and_dp_inside_a_pod_when_it_fits():
+    layout = Layout(dp=16, **LAYOUT_175B)  # 1,024 GPUs: 128 nodes, 2 pods of 64
+    placement = place(layout, A100, "tp-dp-pp")
+    assert placement.nodes_spanned["tp"] == 1
+    assert placement.pods_spanned["dp"] == 1  # a DP group is 16 nodes: one pod
+    by_rank = placement.coordinates
+    for rank in range(0, len(by_rank), 8):  # every node holds exactly one whole TP group
+        assert {where["tp"] for where in by_rank[rank : rank + 8]} == set(range(8))
+        assert len({(where["pp"], where["dp"]) for where in by_rank[rank : rank + 8]}) == 1
+
+
+def test_the_paper_layout_at_12288_gpus_builds_dp_groups_before_pp():
+    placement = choose_rank_order(Layout(dp=192, **LAYOUT_175B), A100)
+    assert placement.rank_order == "tp-dp-pp"
+    other = place(Layout(dp=192, **LAYOUT_175B), A100, "tp-pp-dp")
+    assert placement.pods_spanned["dp"] < other.pods_spanned["dp"]
+    assert "--parallel.rank_order=tp-dp-pp" in placement.describe()

@@ -1,0 +1,52 @@
+"""The layout search: only legal layouts, only those that fit, fastest first, and clear refusals."""
+
+import dataclasses
+
+import pytest
+
+from megascale.errors import ConfigError
+from megascale.plan.hardware import PROFILES
+from megascale.plan.job import MEGASCALE, Cluster, Job
+from megascale.plan.paper import MODEL_175B, with_ptb_swa
+from megascale.plan.search import MEMORY_HEADROOM, search
+
+A100 = PROFILES["a100"]
+JOB = Job(with_ptb_swa(MODEL_175B), seq_len=2048, global_batch=768)
+
+
+def test_every_plan_fits_in_memory_and_plans_come_fastest_first():
+    plans = search(JOB, Cluster(256), A100, MEGASCALE)
+    assert plans
+    assert all(plan.estimate.memory.total_bytes <= MEMORY_HEADROOM * A100.hbm_bytes for plan in plans)
+    times = [plan.estimate.step_s for plan in plans]
+    assert times == sorted(times)
+    for plan in plans:
+        layout = plan.layout
+        assert layout.devices == 256 and layout.tp <= A100.devices_per_node
+        assert 768 % (layout.dp * layout.micro_batch) == 0
+
+
+def test_a_smaller_memory_limit_excludes_what_no_longer_fits():
+    roomy = search(JOB, Cluster(256), A100, MEGASCALE)
+    small = dataclasses.replace(A100, hbm_bytes=40e9)
+    tight = search(JOB, Cluster(256), small, MEGASCALE)
+    assert len(tight) < len(roomy)
+    assert all(plan.estimate.memory.total_bytes <= MEMORY_HEADROOM * 40e9 for plan in tight)
+
+
+def test_pinned_degrees_are_respected():
+    plans = search(JOB, Cluster(256), A100, MEGASCALE, fixed={"tp": 8, "pp": 8})
+    assert {(plan.layout.tp, plan.layout.pp) for plan in plans} == {(8, 8)}
+
+
+def test_nothing_fits_names_the_limit_the_smallest_layout_and_the_fix():
+    tiny_memory = dataclasses.replace(A100, hbm_bytes=1e9)
+    with pytest.raises(
+        ConfigError, match=r"no layout fits 0\.9 GB per device .* optimizer state\): use more --devices$"
+    ):
+        search(JOB, Cluster(64), tiny_memory, MEGASCALE)
+
+
+def test_no_legal_layout_says_why():
+    with pytest.raises(ConfigError, match=r"no legal layout of 256 devices for batch 768 --tp 3"):
+        search(JOB, Cluster(256), A100, MEGASCALE, fixed={"tp": 3})

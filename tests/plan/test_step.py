@@ -1,0 +1,64 @@
+"""The step model's terms: the bubble, what each overlap hides, stragglers, and FLOPs-to-seconds pieces."""
+
+import dataclasses
+
+import pytest
+
+from megascale.plan.compute import gemm_seconds, keys_per_query
+from megascale.plan.hardware import PROFILES
+from megascale.plan.job import MEGASCALE, MEGATRON, Cluster, Features, Job, Layout
+from megascale.plan.paper import LAYOUT_175B, MODEL_175B, with_ptb_swa
+from megascale.plan.step import estimate_step
+
+A100 = PROFILES["a100"]
+JOB = Job(with_ptb_swa(MODEL_175B), seq_len=2048, global_batch=768)
+
+
+def estimate(features=MEGASCALE, devices=256, **changes):
+    layout = Layout(dp=devices // 64, **{**LAYOUT_175B, **changes})
+    return estimate_step(JOB, layout, features, A100, Cluster(devices))
+
+
+def test_terms_add_up_to_the_step_and_mfu_follows_tokens_per_second():
+    step = estimate()
+    assert step.step_s == pytest.approx(sum(step.terms_s.values()))
+    assert step.tokens_per_s == pytest.approx(768 * 2048 / step.step_s)
+    assert 0 < step.mfu < 1
+
+
+def test_the_bubble_is_pp_minus_one_over_v_micro_batch_times():
+    one_f_one_b, interleaved = estimate(virtual_stages=1), estimate(virtual_stages=6)
+    assert one_f_one_b.terms_s["bubble"] / interleaved.terms_s["bubble"] == pytest.approx(6, rel=0.05)
+    assert estimate(pp=1, tp=8, virtual_stages=1, devices=256).terms_s["bubble"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overlap", "term"),
+    [("tp_overlap", "tp_exposed"), ("pp_overlap", "pp_exposed"), ("dp_overlap", "dp_exposed")],
+)
+def test_each_overlap_hides_its_own_communication(overlap, term):
+    without = estimate(features=dataclasses.replace(MEGASCALE, **{overlap: False}))
+    with_it = estimate(features=MEGASCALE)
+    assert with_it.terms_s[term] < without.terms_s[term]
+    assert with_it.step_s < without.step_s
+
+
+def test_stragglers_cost_more_on_more_hosts():
+    small = estimate_step(JOB, Layout(dp=4, **LAYOUT_175B), MEGATRON, A100, Cluster(256, 0.005, 0.1))
+    large = estimate_step(JOB, Layout(dp=192, **LAYOUT_175B), MEGATRON, A100, Cluster(12288, 0.005, 0.1))
+    share = lambda step: step.terms_s["stragglers"] / step.step_s  # noqa: E731
+    assert 0 < share(small) < share(large) <= 0.1
+
+
+def test_a_gemm_earns_efficiency_with_size_and_a_window_caps_keys():
+    small, large = 1e8, 1e12
+    rate = lambda flops: flops / gemm_seconds(flops, A100, "bfloat16")  # noqa: E731
+    assert rate(small) < rate(large) <= A100.gemm_efficiency * 312e12
+    assert keys_per_query(4, None) == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert keys_per_query(4, 2) == pytest.approx((1 + 2 + 2 + 2) / 4)
+
+
+def test_full_recomputation_costs_a_forward_and_features_off_cost_time():
+    assert estimate(recompute="full").terms_s["recompute"] > 0
+    assert estimate(recompute="none").terms_s["recompute"] == 0
+    assert estimate(features=Features()).step_s > estimate(features=MEGASCALE).step_s
