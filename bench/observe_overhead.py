@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+from megascale.resilience.executor import free_port
 
 MODEL = [
     "--model.dim=128",
@@ -120,17 +121,11 @@ def run_part(part: str, args: argparse.Namespace, tmp: str) -> dict[str, dict[st
     result_file = os.path.join(tmp, f"{part}.json")
     mp.start_processes(
         rank_main,
-        args=(2, free_port(), os.path.join(tmp, part), part, vars(args), result_file),
+        args=(2, free_port("127.0.0.1"), os.path.join(tmp, part), part, vars(args), result_file),
         nprocs=2,
         start_method="spawn",
     )
     return json.loads(Path(result_file).read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.netem, 
 
 from bench.netem import EmulatedNodes, Link  # noqa: E402
 from megascale.observe.metrics import read_metrics  # noqa: E402
+from megascale.resilience.executor import free_port  # noqa: E402
 
 MODEL = [
     "--model.dim=256",
@@ -77,7 +77,7 @@ def configurations(switches: tuple[str, ...]) -> dict[str, dict[str, bool]]:
 
 def run_job(nodes: EmulatedNodes | None, run_dir: Path, args: list[str], timeout_s: float) -> list[dict]:
     """Four ranks, two per node; rank 0's metrics."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     master = nodes.addresses[0] if nodes else "127.0.0.1"
     procs = []
     for rank in range(4):
@@ -111,12 +111,6 @@ def run_job(nodes: EmulatedNodes | None, run_dir: Path, args: list[str], timeout
                 proc.kill()
                 proc.wait()
     return read_metrics(run_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:

@@ -24,16 +24,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import (
     PipelineStage,
-    Schedule1F1B,
     ScheduleGPipe,
-    ScheduleInterleaved1F1B,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from megascale.parallel.pipeline_overlap import overlap_schedule
-
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
-MULTI_STAGE = {"interleaved_1f1b"}  # schedules that take a list of stages per rank
 
 
 def split_layers(
@@ -143,11 +138,8 @@ def build_schedule(
         PipelineStage(module, stage_id, num_stages, device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids)
     ]
-    if schedule in ("1f1b", "interleaved_1f1b"):
+    if schedule != "gpipe":
         return overlap_schedule(stages, schedule, microbatches, loss_fn, overlap), stages
-    schedule_class = SCHEDULES[schedule]
-    if schedule in MULTI_STAGE:
-        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn), stages
     if len(stages) != 1:
         raise ValueError(f"pipeline schedule {schedule!r} runs one stage per rank, got {len(stages)}")
-    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn), stages
+    return ScheduleGPipe(stages[0], n_microbatches=microbatches, loss_fn=loss_fn), stages

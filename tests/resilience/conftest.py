@@ -3,19 +3,13 @@ stopped by the tests (processes by pid)."""
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 
 from bench.netem import EmulatedNodes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megascale.resilience.executor import free_port
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +17,7 @@ def redis_url():
     server = shutil.which("redis-server")
     if server is None:
         pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install redis-server)")
-    port = free_port()
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
