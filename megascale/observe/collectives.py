@@ -9,8 +9,11 @@ size around the original call:
 
 - a synchronous collective is one span on its group's track and the same time on the `wait` track (the
   training thread waited for all of it);
-- an asynchronous one spans from its issue to its completion (the work's future) on its group's track,
-  and the training thread's `Work.wait()` on it is a span on the `wait` track: the exposed part;
+- an asynchronous one spans from its issue to when this process saw it finished, on its group's track:
+  the end of its `Work.wait()`, or the start of that wait if it had finished before (an upper bound on
+  its completion; a callback on the work's future would give the exact time but costs a GIL hand-off
+  per operation, about half of all the recording costs). The wait itself is a span on the `wait` track:
+  the exposed part;
 - `isend`, `irecv` and `batch_isend_irecv` (pipeline p2p) are spans of their issue; waiting for their
   works counts as pipeline bubble, not communication (the peer stage was still computing);
 - functional collectives (DTensor's tensor parallelism) are spans of their issue; the result is waited
@@ -22,7 +25,6 @@ Each operation carries its kind, group, bytes and a sequence number per group.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -63,6 +65,8 @@ FUNCTIONAL = {  # what DTensor calls (the older *_tensor names call these, so th
     "all_to_all_single": "self",
 }
 MAX_PENDING = 10_000
+_UNKNOWN_WORK = ({"kind": "work"}, None, None)  # a wait for a work not issued through a wrapper
+_UNKNOWN_FUNCTIONAL = ({"kind": "functional"}, None, None)
 
 
 @dataclass
@@ -137,21 +141,12 @@ def _completed(record: _Group, seq: int) -> None:
     record.completed = max(record.completed, seq)
 
 
-def _remember(work: Any, info: dict[str, Any], record: _Group) -> None:
+def _remember(work: Any, info: dict[str, Any], record: _Group, issued: tuple[str, int] | None = None) -> None:
+    """Keep what `work` is until it is waited for; `issued` (its track, its issue time) when its span is
+    still open."""
     if len(_pending) > MAX_PENDING:  # works that were never waited for
         _pending.clear()
-    _pending[id(work)] = (info, record)
-
-
-@contextlib.contextmanager
-def _blocked_in(info: dict[str, Any]):
-    """Mark the calling thread as blocked in an operation while it runs (for a hang dump)."""
-    thread = threading.get_ident()
-    _waiting[thread] = info
-    try:
-        yield
-    finally:
-        _waiting.pop(thread, None)
+    _pending[id(work)] = (info, record, issued)
 
 
 def _argument_reader(original: Any, *names: str | None) -> Any:
@@ -189,29 +184,26 @@ def _wrap_collective(kind: str, size_arg: str | None, original: Any) -> Any:
         info, record = _describe(kind, group, _nbytes(sized))
         track = f"comm {info['group']}"
         synchronous = not async_op
+        thread = threading.get_ident()
+        if synchronous:
+            _waiting[thread] = info
         _local.inside = True
         start = time.perf_counter_ns()
         try:
-            with _blocked_in(info) if synchronous else contextlib.nullcontext():
-                work = original(*args, **kwargs)
+            work = original(*args, **kwargs)
         finally:
             _local.inside = False
+            _waiting.pop(thread, None)
         end = time.perf_counter_ns()
         if synchronous:
             _completed(record, info["seq"])
             timeline.add_in_lane(kind, track, start, end, info)
             timeline.add(kind, timeline.wait_track(), start, end, info)
             return work
-        _remember(work, info, record)
-
-        def done(_: Any) -> None:
-            _completed(record, info["seq"])
-            timeline.add_in_lane(kind, track, start, time.perf_counter_ns(), info)
-
-        try:
-            work.get_future().then(done)
-        except RuntimeError:  # a work without a future: its issue is all there is to show
+        if work is None:  # not a member of the group: nothing was sent
             timeline.add_in_lane(kind, track, start, end, info)
+        else:
+            _remember(work, info, record, (track, start))  # its span ends when its wait sees it done
         return work
 
     return wrapper
@@ -295,11 +287,15 @@ def _wrap_functional_wait(original: Any) -> Any:
         timeline = _active
         if timeline is None:
             return original(tensor)
-        info = (_pending.pop(id(tensor), None) or ({"kind": "functional"}, None))[0]
+        info = (_pending.pop(id(tensor), None) or _UNKNOWN_FUNCTIONAL)[0]
+        thread = threading.get_ident()
+        _waiting[thread] = info
         start = time.perf_counter_ns()
-        with _blocked_in(info):
+        try:
             result = original(tensor)
-        timeline.add(f"wait {info['kind']}", timeline.wait_track(), start, time.perf_counter_ns(), info)
+        finally:
+            del _waiting[thread]
+        timeline.add("wait " + info["kind"], timeline.wait_track(), start, time.perf_counter_ns(), info)
         return result
 
     return wait_tensor
@@ -311,13 +307,22 @@ def _wrap_wait(original: Any) -> Any:
         timeline = _active
         if timeline is None or getattr(_local, "inside", False):  # a synchronous collective's own wait
             return original(self, *args, **kwargs)
-        info, record = _pending.pop(id(self), None) or ({"kind": "work"}, None)
+        info, record, issued = _pending.pop(id(self), None) or _UNKNOWN_WORK
+        thread = threading.get_ident()
+        _waiting[thread] = info
         start = time.perf_counter_ns()
-        with _blocked_in(info):
+        finished_before = issued is not None and self.is_completed()
+        try:
             result = original(self, *args, **kwargs)
+        finally:
+            del _waiting[thread]
+        end = time.perf_counter_ns()
         if record is not None:
             _completed(record, info["seq"])
-        timeline.add(f"wait {info['kind']}", timeline.wait_track(), start, time.perf_counter_ns(), info)
+        if issued is not None:
+            track, issued_ns = issued
+            timeline.add_in_lane(info["kind"], track, issued_ns, start if finished_before else end, info)
+        timeline.add("wait " + info["kind"], timeline.wait_track(), start, end, info)
         return result
 
     return wait
