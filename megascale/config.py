@@ -8,6 +8,7 @@ from one place.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -327,6 +328,13 @@ class ParallelConfig:
         "once; a hung one only after this).",
         gt=0,
     )
+    store: str = option(
+        "env",
+        "Where the training processes meet to build their process groups: 'env' is torch's TCPStore at "
+        "MASTER_ADDR:MASTER_PORT (no setup); redis://HOST:PORT/DB a Redis server, which serves thousands of "
+        "ranks at once where TCPStore's one thread queues them (paper §3.5). Keys are kept apart by job "
+        "and restart.",
+    )
 
 
 @dataclass
@@ -477,6 +485,9 @@ class JobConfig:
             fail("data.seq_len", self.data.seq_len, f"exceeds model.max_seq_len = {m.max_seq_len}")
         if self.parallel.dp_shard == 0:
             fail("parallel.dp_shard", 0, "must be >= 1, or -1 for the rest of the world size")
+        store = self.parallel.store
+        if store != "env" and not re.fullmatch(r"redis://[^/:@]+:\d+(/\d+)?", store):
+            fail("parallel.store", store, "must be 'env' or redis://HOST:PORT/DB (redis://10.0.0.1:6379/0)")
         if t.global_batch_size % t.micro_batch_size:
             fail(
                 "training.global_batch_size",

@@ -126,7 +126,7 @@ class Trainer(Stateful):
         if training.threads is not None:
             torch.set_num_threads(training.threads)
         self.device = pick_device(training.device)
-        init_distributed(self.device, cfg.parallel.timeout_s)
+        init_distributed(self.device, cfg.parallel.timeout_s, store=cfg.parallel.store)
         self.mesh = dims.build_mesh(self.device.type, cfg.parallel.timeout_s) if dims.world_size > 1 else None
         self.checkpointer = Checkpointer(
             checkpoint_root,

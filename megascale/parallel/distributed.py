@@ -1,9 +1,11 @@
 """Joining the job: world size from the launcher's environment, this rank's device, the process group.
 
 torchrun, `megascale train --nproc N` and srun-with-torchrun all export RANK, LOCAL_RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT; `init_process_group` reads them. The backend follows the device: gloo on CPU;
-on an accelerator its own backend (NCCL on CUDA) with gloo kept for CPU tensors. The accelerator branch
-cannot run on this project's CPU-only machines and is untested.
+MASTER_ADDR and MASTER_PORT; `init_process_group` reads them. The ranks meet in torch's TCPStore at
+MASTER_ADDR:MASTER_PORT, or, with `parallel.store = "redis://..."`, in a Redis server (paper §3.5;
+`megascale.resilience.redis_store`). The backend follows the device: gloo on CPU; on an accelerator its
+own backend (NCCL on CUDA) with gloo kept for CPU tensors. The accelerator branch cannot run on this
+project's CPU-only machines and is untested.
 """
 
 from __future__ import annotations
@@ -39,11 +41,30 @@ def pick_device(name: str) -> torch.device:
         ) from None
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> None:
+# c10d keeps only the C++ side of a Python store alive: the Python object must outlive every process group.
+_redis_store = None
+
+
+def rendezvous_prefix() -> str:
+    """Where this launch's rendezvous keys go in a store shared by jobs and restarts.
+
+    The launcher's run id names the launch (`megascale launch`: the job and its attempt; `megascale train
+    --nproc`: a fresh id; torchrun: --rdzv-id), and torchrun's restart count the generation, so restarted
+    workers never read the addresses of the attempt before (docs/resilience.md, "The store"). Without a
+    run id (RANK/WORLD_SIZE set by hand, or torchrun's default 'none') the master address stands in."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none":
+        run_id = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return f"megascale/pg/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def init_distributed(device: torch.device, timeout_s: float, store: str = "env") -> None:
     """Create the default process group from the environment, unless one exists or the job has one rank.
 
     The timeout bounds every collective: a hung peer fails the others after `timeout_s`, not after
-    torch's default 30 minutes (a dead peer fails them at once)."""
+    torch's default 30 minutes (a dead peer fails them at once). `store` is `parallel.store`: 'env'
+    (torch's TCPStore at MASTER_ADDR:MASTER_PORT) or redis://HOST:PORT/DB, whose keys go under
+    `rendezvous_prefix()`; the same timeout bounds every wait in the store."""
     if dist.is_initialized() or env_world_size() == 1:
         return
     if device.type == "cpu":
@@ -51,4 +72,18 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
     else:  # untested: no accelerator here
         torch.accelerator.set_device_index(device.index or 0)
         backend = f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if store == "env":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    from megascale.resilience.redis_store import RedisStore  # redis only for jobs that ask for it
+
+    global _redis_store
+    _redis_store = RedisStore(store, prefix=rendezvous_prefix(), timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=_redis_store,
+        rank=int(os.environ["RANK"]),
+        world_size=env_world_size(),
+        timeout=timeout,
+    )

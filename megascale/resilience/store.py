@@ -3,8 +3,10 @@
 Heartbeats, commands and diagnostics results are small JSON values under well-known keys (the driver knows
 the node names, or counts them with `add`, so nothing ever lists keys). TCPStore needs no setup: the
 driver hosts it. Redis (`resilience.store = "redis://host:port/db"`) survives the driver and serves
-thousands of clients; the MegaScale paper moved to it for exactly that (§3.5). Only get/set/delete and a
-counter are needed here, so this is a thin adapter, not a torch.distributed.Store.
+thousands of clients; the MegaScale paper moved to it for exactly that (§3.5). Both sides are
+torch.distributed Stores (Redis through `megascale.resilience.redis_store.RedisStore`, the one the
+training processes can rendezvous through too); this protocol only adds JSON values and a read that
+does not wait.
 """
 
 from __future__ import annotations
@@ -55,36 +57,36 @@ class TorchStore:
         return int(self._store.add(key, amount))
 
 
-class RedisStore:
-    """A Redis server, through redis-py; keys are prefixed by the job so jobs can share a server."""
+class RedisControlStore:
+    """A Redis server, through the Redis-backed torch Store; keys are prefixed by the job so jobs can share
+    a server."""
 
-    def __init__(self, url: str, prefix: str):
-        import redis
+    def __init__(self, url: str, prefix: str, timeout_s: float = 30.0):
+        from megascale.resilience.redis_store import RedisStore
 
-        self._redis = redis.Redis.from_url(url, socket_timeout=30)
-        self._prefix = prefix
+        self._store = RedisStore(url, prefix=prefix, timeout=timedelta(seconds=timeout_s))
         self.url = url
 
     def put(self, key: str, value: Any) -> None:
-        self._redis.set(self._prefix + key, json.dumps(value))
+        self._store.set(key, json.dumps(value))
 
     def fetch(self, key: str) -> Any | None:
-        raw = self._redis.get(self._prefix + key)
+        raw = self._store.try_get(key)
         return None if raw is None else json.loads(raw)
 
     def delete(self, key: str) -> None:
-        self._redis.delete(self._prefix + key)
+        self._store.delete_key(key)
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._redis.incrby(self._prefix + key, amount))
+        return int(self._store.add(key, amount))
 
 
 def open_store(url: str, *, job: str, host: bool = False, timeout_s: float = 30.0) -> ControlStore:
-    """`tcp://addr:port` (port 0 with host=True picks a free one) or `redis://host:port/db`; a TCPStore
-    client waits up to `timeout_s` for the server to come up."""
+    """`tcp://addr:port` (port 0 with host=True picks a free one) or `redis://host:port/db`; a client waits
+    up to `timeout_s` for the server to come up."""
     parsed = urlparse(url)
     if parsed.scheme == "redis":
-        return RedisStore(url, prefix=f"megascale/{job}/")
+        return RedisControlStore(url, prefix=f"megascale/{job}/", timeout_s=timeout_s)
     if parsed.scheme == "tcp":
         return TorchStore(parsed.hostname or "127.0.0.1", parsed.port or 0, host=host, timeout_s=timeout_s)
     raise ValueError(f"resilience.store must be tcp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}")
