@@ -118,6 +118,18 @@ class DataConfig:
     seq_len: int = option(256, "Tokens per training sequence (packed across documents with EOS).", ge=1)
     val_fraction: float = option(0.01, "Fraction of documents held out for validation.", ge=0, lt=1)
     verify: bool = option(True, "Check shard sizes and checksums against meta.json when opening.")
+    prefetch: int = option(
+        1,
+        "Steps of training batches a background thread prepares ahead, so the next step's batches are "
+        "read while this step runs (paper §3.4); 0 reads them at the top of each step.",
+        ge=0,
+    )
+    share_per_node: bool = option(
+        True,
+        "Read each training batch once per node: of the ranks on a node that take the same batches "
+        "(tensor-parallel peers, pipeline stages), the lowest reads the shards and the others take the "
+        "batch from shared memory (paper §3.4). Changes nothing where every rank takes its own batches.",
+    )
 
 
 @dataclass

@@ -146,6 +146,8 @@ class Trainer(Stateful):
             seed=training.seed,
             dp_rank=self.dp_rank,
             dp_size=dims.dp,
+            micro_batches_per_step=self.grad_accum_steps,
+            timeout_s=cfg.parallel.timeout_s,
             progress=cfg.metrics.progress and self.rank == 0,
         )
         log.info(
@@ -318,6 +320,7 @@ class Trainer(Stateful):
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
         self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
+        self.train_loader.close()  # its prefetch thread ended, the node's shared ring left
         self.instruments.close()
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)

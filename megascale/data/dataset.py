@@ -76,11 +76,19 @@ class PackedSequences:
         begin = self.start + index * self.seq_len
         return self.shards.tokens(begin, begin + self.seq_len + 1)
 
+    def rows(self, indices: Sequence[int]) -> np.ndarray:
+        """The sequences `indices` as one int64 array [len(indices), seq_len + 1]."""
+        return np.stack([self[int(i)] for i in indices])
+
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), both int64 of shape [len(indices), seq_len]."""
-        rows = np.stack([self[int(i)] for i in indices])
-        tokens = torch.from_numpy(rows)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return split_rows(self.rows(indices))
+
+
+def split_rows(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of packed rows [n, seq_len + 1]: all but the last token, all but the first."""
+    tokens = torch.from_numpy(rows)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def _more_data_hint(split_name: str) -> str:

@@ -59,13 +59,22 @@ class SequenceSampler(Stateful):
             indices.append(int(self.permutation(epoch)[offset]))
         return indices
 
+    @property
+    def positions_per_batch(self) -> int:
+        """How far the global stream moves for each micro-batch a rank takes (all ranks take one)."""
+        return self.micro_batch_size * self.dp_size
+
+    def indices_for(self, position: int) -> list[int]:
+        """This rank's micro-batch when the global stream stands at `position`. A pure function of the
+        position, so a prefetching thread can compute batches ahead without touching the state."""
+        return self.indices_at(position + self.dp_rank * self.micro_batch_size, self.micro_batch_size)
+
     def __iter__(self) -> SequenceSampler:
         return self
 
     def __next__(self) -> list[int]:
-        start = self.consumed_sequences + self.dp_rank * self.micro_batch_size
-        indices = self.indices_at(start, self.micro_batch_size)
-        self.consumed_sequences += self.micro_batch_size * self.dp_size
+        indices = self.indices_for(self.consumed_sequences)
+        self.consumed_sequences += self.positions_per_batch
         return indices
 
     def state_dict(self) -> dict[str, Any]:
