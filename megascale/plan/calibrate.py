@@ -2,13 +2,15 @@
 
 Beyond the matmul peak (`megascale.observe.peak`), the planner needs what a CPU run is actually bound by at
 the small sizes it can train: how fast a small GEMM runs compared with the peak, memory bandwidth, the
-host's time to dispatch one block's forward and backward (eager PyTorch waits for every operator), what
-tensor parallelism's DTensor dispatch and FSDP's hooks add per block, and gloo's latency and bandwidth
-between two local processes. All of it takes 10-25 s (most of it two fresh interpreters importing torch
-for the gloo measurements) and is cached next to the peak; the CPU profile exists only once it has been.
-Times are medians of repeated calls, as a training loop sees them; one process's figures are taken from
-the quietest of three rounds, the two-process probes (which wait on each other) from one longer round. On
-a machine shared with other work they still move with that work, and so do the predictions made from them.
+host's time to dispatch one block's forward and backward and the rest of the model's (eager PyTorch waits
+for every operator), the same for the step's update (gradient norm, clipping, optimizer step: with DTensor
+weights it costs as much as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's
+hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 15-30 s
+(most of it two fresh interpreters importing torch for the gloo measurements) and is cached next to the
+peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
+loop sees them; one process's figures are taken from the quietest of three rounds, the two-process probes
+(which wait on each other) from one longer round. On a machine shared with other work they still move with
+that work, and so do the predictions made from them.
 """
 
 from __future__ import annotations
@@ -26,15 +28,36 @@ from pathlib import Path
 
 import torch
 
-from megascale.config import AttentionConfig, ModelConfig
+from megascale.config import AttentionConfig, ModelConfig, OverlapConfig
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
+from megascale.parallel.tensor import full_tensor
 from megascale.plan.hardware import HardwareProfile
 
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
-PROBE_LAYERS = (1, 3)  # per-block host time is the slope between these model depths
+PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
+# What `megascale calibrate` stores; a cache without one of them was written by an older version.
+MEASURED = (
+    "small_gemm_flops_per_s",
+    "memory_bytes_per_s",
+    "block_host_s",
+    "model_host_s",
+    "update_block_host_s",
+    "update_model_host_s",
+    "collective_latency_s",
+    "gather_bytes_per_s",
+    "scatter_bytes_per_s",
+    *[
+        f"{probe}_{name}_host_s"
+        for probe in ("tp", "fsdp")
+        for name in ("block", "model", "update_block", "update_model")
+    ],
+)
+# The profile's host-time fields by the probe's names: per block, rest of the model, and the same of the
+# update.
+PARTS = {"layer": "block", "model": "model", "update_layer": "update_block", "update_model": "update_model"}
 
 
 def profile_cache() -> Path:
@@ -82,19 +105,41 @@ def _fwd_bwd(model: torch.nn.Module) -> Callable[[], None]:
     return run
 
 
+def _update(model: torch.nn.Module) -> Callable[[], None]:
+    """The trainer's per-step update after the gradients exist (`Trainer.clip_gradients`, then the fused
+    AdamW step): the global norm (an all-reduce when the gradients are DTensors), clipping, the step."""
+    _fwd_bwd(model)()
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-9, fused=True)
+
+    def run() -> None:
+        norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+        optimizer.step()
+
+    return run
+
+
 def host_seconds(
     wrap: Callable[[torch.nn.Module], None] = lambda model: None, repeats: int = 5, rounds: int = 3
-) -> tuple[float, float]:
-    """Host seconds of a tiny model's forward + backward, after `wrap` (TP, FSDP) is applied: (per block,
-    for the rest of the model: embedding, final norm, output layer)."""
-    times = []
+) -> dict[str, float]:
+    """Host seconds of a tiny model, after `wrap` (TP, FSDP) is applied, as a slope per block and what the
+    rest of the model (embedding, final norm, output layer) adds: of a forward + backward ("block",
+    "model") and of the step's update ("update_block", "update_model")."""
+    times = {_fwd_bwd: [], _update: []}
     for layers in PROBE_LAYERS:
-        torch.manual_seed(0)
-        model = Transformer(_probe_model(layers))
-        wrap(model)
-        times.append(typical_seconds(_fwd_bwd(model), repeats=repeats, rounds=rounds))
-    per_block = max(0.0, (times[1] - times[0]) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
-    return per_block, max(0.0, times[0] - per_block * PROBE_LAYERS[0])
+        for probe, measured in times.items():
+            torch.manual_seed(0)
+            model = Transformer(_probe_model(layers))
+            wrap(model)
+            measured.append(typical_seconds(probe(model), repeats=repeats, rounds=rounds))
+    result = {}
+    for prefix, (shallow, deep) in zip(("", "update_"), times.values()):
+        per_block = max(0.0, (deep - shallow) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
+        result[f"{prefix}block"] = per_block
+        result[f"{prefix}model"] = max(0.0, shallow - per_block * PROBE_LAYERS[0])
+    return result
 
 
 def measure_local() -> dict[str, float]:
@@ -106,14 +151,14 @@ def measure_local() -> dict[str, float]:
     def linear_forward_backward() -> None:  # a linear layer's three GEMMs, as autograd runs them
         torch.nn.functional.linear(inputs, weight).sum().backward()
 
-    small_gemm_s = typical_seconds(linear_forward_backward, repeats=10)
+    small_gemm_s = typical_seconds(linear_forward_backward, repeats=50)
     big = torch.randn(1 << 23)
     other = torch.randn(1 << 23)
-    add_s = typical_seconds(lambda: torch.add(big, other), repeats=3)
+    add_s = typical_seconds(lambda: torch.add(big, other), repeats=5)
     return {
         "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
         "memory_bytes_per_s": 3 * big.numel() * 4 / add_s,
-        **dict(zip(("block_host_s", "model_host_s"), host_seconds())),
+        **{f"{name}_host_s": seconds for name, seconds in host_seconds().items()},
     }
 
 
@@ -147,6 +192,7 @@ def _measure_gloo() -> dict[str, float]:
     gather_s = typical_seconds(lambda: dist.all_gather_single(full, shard), repeats=3)
     scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), repeats=3)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
 
     def tensor_parallel(model):
         apply_tensor_parallel(
@@ -156,17 +202,22 @@ def _measure_gloo() -> dict[str, float]:
             block_plan=plan.BLOCK_PLAN,
             top_level_plan=plan.TOP_LEVEL_PLAN,
             sequence_parallel=True,
+            mlp_chunks=overlap.tp_chunks if overlap.tp else None,
         )
 
+    tp_host = host_seconds(tensor_parallel, repeats=12, rounds=1)
+    fsdp_host = host_seconds(
+        lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp),
+        repeats=12,
+        rounds=1,
+    )
     half_bytes = PROBE_FLOATS * 4 / 2  # what a ring over 2 ranks moves per rank: (n - 1)/n of the tensor
     return {
         "collective_latency_s": latency_s,
         "gather_bytes_per_s": half_bytes / max(gather_s - latency_s, 1e-9),
         "scatter_bytes_per_s": half_bytes / max(scatter_s - latency_s, 1e-9),
-        "tp_block_host_s": host_seconds(tensor_parallel, repeats=6, rounds=1)[0],
-        "fsdp_block_host_s": host_seconds(
-            lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3), repeats=6, rounds=1
-        )[0],
+        **{f"tp_{name}_host_s": seconds for name, seconds in tp_host.items()},
+        **{f"fsdp_{name}_host_s": seconds for name, seconds in fsdp_host.items()},
     }
 
 
@@ -234,6 +285,12 @@ def cpu_profile(threads: int = 1) -> HardwareProfile:
             f"plan: --hardware cpu needs this machine measured with {threads} thread(s); run "
             f"`megascale calibrate --dtype float32 --threads {threads}` first"
         )
+    missing = [name for name in MEASURED if name not in measured]
+    if missing:
+        raise ConfigError(
+            f"plan: the calibration in {path} predates {', '.join(missing)}; run "
+            f"`megascale calibrate --dtype float32 --threads {threads}` again"
+        )
     peak = peak_tflops * 1e12
     small_flops = 2 * SMALL_GEMM[0] * SMALL_GEMM[1] * SMALL_GEMM[2]
     small_efficiency = min(measured["small_gemm_flops_per_s"] / peak, 0.999)
@@ -255,11 +312,18 @@ def cpu_profile(threads: int = 1) -> HardwareProfile:
         gemm_half_flops=small_flops * (1 / small_efficiency - 1),
         attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
         network_efficiency=1.0,  # the bandwidths above are already what a collective achieved
-        layer_overhead_s=measured["block_host_s"],
+        layer_overhead_s=measured["block_host_s"],  # the others: what TP and FSDP add to these
         model_overhead_s=measured["model_host_s"],
-        tp_layer_overhead_s=max(0.0, measured["tp_block_host_s"] - measured["block_host_s"]),
-        dp_layer_overhead_s=max(0.0, measured["fsdp_block_host_s"] - measured["block_host_s"]),
+        **{
+            f"{kind}{part}_overhead_s": max(
+                0.0, measured[f"{probe}_{name}_host_s"] - measured[f"{name}_host_s"]
+            )
+            for kind, probe in (("tp_", "tp"), ("dp_", "fsdp"))
+            for part, name in PARTS.items()
+        },
+        update_layer_overhead_s=measured["update_block_host_s"],
+        update_model_overhead_s=measured["update_model_host_s"],
         host_cores=max(1, cores // threads),
-        step_seconds_per_param=0.0,  # measured within the per-block host times
+        step_seconds_per_param=0.0,  # measured as the update's host times
         source=f"measured by `megascale calibrate` ({path})",
     )

@@ -105,7 +105,10 @@ def _attention_forward_seconds(job: Job, layout: Layout, profile: HardwareProfil
 
 def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
     """The vocabulary projection (on the last stage), forward + backward, and the host's time for the
-    model's parts outside its blocks."""
+    model's parts outside its blocks (all of it counted on the slowest stage: the last, whose output
+    layer and loss cost the most)."""
     tokens = layout.micro_batch * job.seq_len
     flops = 2 * tokens * job.model.dim * job.model.vocab_size / layout.tp
-    return 3 * gemm_seconds(flops, profile, job.dtype) + profile.model_overhead_s
+    host_s = profile.model_overhead_s + (profile.tp_model_overhead_s if layout.tp > 1 else 0.0)
+    host_s += profile.dp_model_overhead_s if layout.dp > 1 and layout.zero_stage >= 2 else 0.0
+    return 3 * gemm_seconds(flops, profile, job.dtype) + host_s

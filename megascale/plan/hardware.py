@@ -48,6 +48,16 @@ class HardwareProfile:
     model_overhead_s: float  # the same for the rest of the model (embedding, output layer, loss)
     tp_layer_overhead_s: float  # the same, added by tensor parallelism's operator dispatch
     dp_layer_overhead_s: float  # the same, added by sharded data parallelism's per-block hooks
+    tp_model_overhead_s: float  # what tensor parallelism adds to the rest of the model
+    dp_model_overhead_s: float  # what sharded data parallelism adds to the rest of the model
+    # Host time of the step's update (gradient norm, clipping, optimizer step) per block a device holds,
+    # for the rest of the model, and what DTensor tensor parallelism and FSDP add to each:
+    update_layer_overhead_s: float
+    update_model_overhead_s: float
+    tp_update_layer_overhead_s: float
+    dp_update_layer_overhead_s: float
+    tp_update_model_overhead_s: float
+    dp_update_model_overhead_s: float
     step_seconds_per_param: float  # per-step work over every weight a device holds that nothing overlaps
     source: str
 
@@ -80,6 +90,14 @@ _GPU_CONSTANTS = dict(
     model_overhead_s=0.0,
     tp_layer_overhead_s=0.0,
     dp_layer_overhead_s=0.0,
+    tp_model_overhead_s=0.0,
+    dp_model_overhead_s=0.0,
+    update_layer_overhead_s=0.0,
+    update_model_overhead_s=0.0,
+    tp_update_layer_overhead_s=0.0,
+    dp_update_layer_overhead_s=0.0,
+    tp_update_model_overhead_s=0.0,
+    dp_update_model_overhead_s=0.0,
     host_cores=0,
     step_seconds_per_param=1.8e-10,
     intra_node_latency_s=5e-6,

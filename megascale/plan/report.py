@@ -47,9 +47,9 @@ EXPLAIN = {
     "pp_exposed": "blocking pipeline sends/receives (none with PP overlap)",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
     "stragglers": "expected wait for the slowest host (0.5% of hosts 10% slower, paper §5.1, §6.3)",
-    "core_sharing": "processes taking turns on a CPU's cores",
+    "core_sharing": "too few CPU cores: all processes' core time over the cores, past the critical path",
     "dp_exposed": "gradient reduce-scatter and weight all-gather(s) not hidden behind compute",
-    "optimizer": "optimizer update through memory, plus the per-step work nothing overlaps",
+    "optimizer": "update (norm, clipping, optimizer step): memory traffic and host dispatch, not overlapped",
     "host": "data loading and host stalls the system does not hide",
 }
 

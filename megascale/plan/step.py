@@ -2,7 +2,7 @@
 
 A step is the pipeline's work plus what the schedule cannot hide:
 
-    step = straggler * (m + bubble) * t_mb + exposed DP + optimizer + host
+    step = straggler * (m + bubble) * t_mb + core sharing + exposed DP + sharing * optimizer + host
     t_mb = blocks_per_stage * (block + exposed TP/SP) [+ output layer on the last stage] + exposed PP p2p
 
 t_mb is one micro-batch through the slowest stage (forward and backward). The bubble is (pp - 1) micro-
@@ -19,6 +19,10 @@ What each overlap of paper §3.2 hides:
 Stragglers: synchronous training runs at the pace of its slowest host. With a fraction f of hosts slower by
 d (paper §5.1: about 0.5% of hosts; §6.3: about 10% slower), a job on n hosts computes at
 1 + d * (1 - (1 - f)^n) times the healthy pace in expectation.
+Core sharing (a CPU host running more processes than it has cores): the cores are work-conserving -- a
+stage idle in the bubble or waiting for a transfer leaves its core to the others -- so the pipeline takes
+the longer of its critical path and all its processes' core time over the cores; the update after it runs
+on every process at once, slowed by the full sharing factor.
 """
 
 from __future__ import annotations
@@ -76,9 +80,11 @@ def estimate_step(
         "pp_exposed": m * pp_exposed_s,
         "bubble": bubble * micro_batch_s,
         "stragglers": (slowdown - 1) * (m + bubble) * micro_batch_s,
-        "core_sharing": (_core_sharing(cluster, profile) - 1) * (m + bubble) * micro_batch_s,
+        "core_sharing": _core_sharing_seconds(
+            cluster, profile, m * (blocks * block.total_s + output_s), (m + bubble) * micro_batch_s
+        ),
         "dp_exposed": dp_exposed_s,
-        "optimizer": _optimizer_seconds(job, layout, profile),
+        "optimizer": _core_sharing(cluster, profile) * _optimizer_seconds(job, layout, profile),
         "host": 0.0 if features.async_data else features.host_overhead_s,
     }
     step_s = sum(terms.values())
@@ -136,6 +142,21 @@ def _core_sharing(cluster: Cluster, profile: HardwareProfile) -> float:
     return max(1.0, min(cluster.devices, profile.devices_per_node) / profile.host_cores)
 
 
+def _core_sharing_seconds(
+    cluster: Cluster, profile: HardwareProfile, work_s: float, critical_path_s: float
+) -> float:
+    """What processes taking turns on too few cores add to the pipeline's `critical_path_s`, when each
+    computes `work_s` of core time (waits for communication and idle bubbles take none).
+
+    The cores run every process's work, and an idle stage (in the bubble, or waiting for a transfer)
+    leaves its core to the others: the pipeline needs at least all processes' work over the cores, and
+    at least its own critical path; whichever is longer."""
+    sharing = _core_sharing(cluster, profile)
+    if sharing == 1.0:
+        return 0.0
+    return max(0.0, sharing * work_s - critical_path_s)
+
+
 def _straggler_slowdown(cluster: Cluster, profile: HardwareProfile) -> float:
     hosts = max(1, cluster.devices // profile.devices_per_node)
     return 1 + cluster.straggler_slowdown * (1 - (1 - cluster.straggler_host_fraction) ** hosts)
@@ -166,9 +187,18 @@ def _dp_exposed_seconds(
 def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
     """The update streams this device's shard of gradients, master weights and moments through memory;
     the per-step work over all the weights it holds (gradient buffers zeroed, norms, inf checks, weight
-    copies, each a launch or a sync of its own) costs the profile's seconds per parameter."""
+    copies, each a launch or a sync of its own) costs the profile's seconds per parameter; on a host that
+    dispatches every operator (a CPU) the norm, clipping and optimizer step cost measured host seconds per
+    block held, more when the weights are DTensors (TP, FSDP)."""
     precision = job.precision
     params = stage_params(job, layout) / (layout.dp if layout.zero_stage >= 1 else 1)
     touched = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.weight_bytes
     held = stage_params(job, layout)
-    return params * touched / profile.hbm_bytes_per_s + held * profile.step_seconds_per_param
+    per_block_s = profile.update_layer_overhead_s
+    per_block_s += profile.tp_update_layer_overhead_s if layout.tp > 1 else 0.0
+    per_block_s += profile.dp_update_layer_overhead_s if layout.dp > 1 else 0.0
+    rest_s = profile.update_model_overhead_s
+    rest_s += profile.tp_update_model_overhead_s if layout.tp > 1 else 0.0
+    rest_s += profile.dp_update_model_overhead_s if layout.dp > 1 else 0.0
+    host_s = job.model.n_layers / layout.pp * per_block_s + rest_s
+    return params * touched / profile.hbm_bytes_per_s + held * profile.step_seconds_per_param + host_s

@@ -39,11 +39,19 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
         "memory_bytes_per_s": 4e9,
         "block_host_s": 0.002,
         "model_host_s": 0.001,
+        "update_block_host_s": 0.001,
+        "update_model_host_s": 0.002,
         "collective_latency_s": 3e-4,
         "gather_bytes_per_s": 3e8,
         "scatter_bytes_per_s": 2e8,
         "tp_block_host_s": 0.05,
         "fsdp_block_host_s": 0.015,
+        "tp_model_host_s": 0.021,
+        "fsdp_model_host_s": 0.006,
+        "tp_update_block_host_s": 0.004,
+        "fsdp_update_block_host_s": 0.003,
+        "tp_update_model_host_s": 0.005,
+        "fsdp_update_model_host_s": 0.001,  # less than without FSDP: counted as nothing added
     }
     path = plan_calibrate.profile_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,8 +61,17 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
     assert profile.intra_node_bytes_per_s == pytest.approx(2 / (1 / 3e8 + 1 / 2e8))
     assert profile.tp_layer_overhead_s == pytest.approx(0.048)
     assert profile.dp_layer_overhead_s == pytest.approx(0.013)
+    assert profile.tp_update_layer_overhead_s == pytest.approx(0.003)
+    assert profile.dp_update_layer_overhead_s == pytest.approx(0.002)
+    assert profile.tp_model_overhead_s == pytest.approx(0.020)
+    assert profile.tp_update_model_overhead_s == pytest.approx(0.003)
+    assert profile.dp_update_model_overhead_s == 0.0
     # the small GEMM ran at half the peak, so a GEMM of its size earns half the efficiency
     small = 2 * 256 * 128 * 384
     assert profile.gemm_efficiency * small / (small + profile.gemm_half_flops) == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"--dtype 'bfloat16' has no peak"):
         profile.peak_flops("bfloat16")
+    del measured["fsdp_update_block_host_s"]  # a cache written before the update was measured
+    path.write_text(json.dumps({plan_calibrate.cache_key(1): measured}))
+    with pytest.raises(ConfigError, match=r"predates fsdp_update_block_host_s; run `megascale calibrate"):
+        profile_named("cpu")
