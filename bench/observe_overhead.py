@@ -8,7 +8,10 @@ hand in alternating blocks, so both modes see the same model state, data and mac
   flushed in the training thread and its time added to that block's last step, so the JSON encoding is
   charged to the recording mode (in a run it happens on the background thread) and none of it spills
   into the next block. The ratio is the median, over every pair of neighbouring blocks, of (time of the
-  recording block / time of the silent one); the same for process CPU time (all threads).
+  recording block / time of the silent one); the same for process CPU time (all threads). Python's
+  collector runs as in a training run (`training.gc_every`): never automatically inside a step, once
+  between blocks, untimed; with it on, the recording's small allocations would trigger full collections
+  of the whole heap that a training run never makes.
 - gc: Python's automatic collector against megascale's (`training.gc_every`: the young generations
   collected at the same step on every rank every N steps, no automatic collection). Each rank holds a
   Python heap that grows every step (`--heap` objects at start, `--grow` more per step, a little more on
@@ -90,6 +93,8 @@ def rank_main(rank: int, world: int, port: int, run_dir: str, part: str, args: d
         if part == "timeline":
             trainer.instruments.timeline = recording if mode == "on" else silent
             record_collectives(trainer.instruments.timeline)
+            gc.disable()  # as Trainer.train runs steps (training.gc_every)
+            AlignedGC.collect()
         elif mode == "auto":
             gc.enable()
         else:
