@@ -1,11 +1,15 @@
-"""Shared fixtures: a tiny text corpus and a tiny job config that trains in seconds on CPU."""
+"""Shared fixtures: a tiny text corpus, a tiny job config that trains in seconds on CPU, and two emulated
+hosts (network namespaces on this machine)."""
 
 import logging
 import os
 import random
+import shutil
+import subprocess
 
 import pytest
 
+from bench.netem import EmulatedNodes
 from megascale.config import load_config
 
 TINY = [
@@ -101,3 +105,20 @@ def tiny_config(tiny_corpus, tmp_path):
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def two_hosts():
+    if shutil.which("ip") is None:
+        pytest.skip("two-host test: the `ip` command (Debian iproute2) is not installed")
+    hosts = EmulatedNodes(str(os.getpid()))  # no limits: plain veth
+    try:
+        hosts.create()
+    except subprocess.CalledProcessError as err:
+        hosts.remove()
+        pytest.skip(
+            f"two-host test: cannot create network namespaces here ({err.stderr.strip()}); it needs root "
+            "(CAP_NET_ADMIN)"
+        )
+    yield hosts
+    hosts.remove()

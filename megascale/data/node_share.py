@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -59,9 +60,17 @@ SHM_DIR = "/dev/shm"
 
 
 def node_name() -> str:
-    """This process's node: the host name, with torchrun's GROUP_RANK (several agents on one machine are
-    several nodes to torchrun, and each keeps its own share groups)."""
-    return f"{socket.gethostname()}#{os.environ.get('GROUP_RANK', '0')}"
+    """This process's node, as sharing sees it: the machine (its boot id, else its host name) and the
+    network namespace the reader's socket lives in, with torchrun's GROUP_RANK (several agents on one
+    machine are several nodes to torchrun, and each keeps its own share groups). The host name alone is
+    not enough: containers or network namespaces of one machine can share it and still not reach each
+    other's sockets."""
+    try:
+        machine = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        network = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # not Linux
+        machine, network = socket.gethostname(), 0
+    return f"{machine}-net{network}#{os.environ.get('GROUP_RANK', '0')}"
 
 
 @dataclass(frozen=True)

@@ -149,3 +149,26 @@ def test_silent_or_dead_reader_fails_the_taker_naming_it(tiny_corpus, tmp_path):
     )
     assert 0.9 < waited_s < 5
     assert gone == "data: rank 1 lost its node's batch reader, rank 0 (it exited or failed; see its log)"
+
+
+def test_ranks_in_another_network_namespace_are_another_node(two_hosts):
+    """Network namespaces of one machine share its host name but not their sockets: the batch reader of
+    one cannot be reached from the other, so sharing must count them as two nodes (before this was fixed,
+    the node was the host name, and a tp2 x pp2 job over two such hosts waited for its reader until the
+    timeout)."""
+    import subprocess
+    import sys
+
+    from megascale.data.node_share import node_name
+
+    probe = [sys.executable, "-c", "from megascale.data.node_share import node_name; print(node_name())"]
+    names = []
+    for host in (0, 1):
+        proc = two_hosts.start(host, probe, stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        names.append(out.strip())
+    assert names[0] != names[1]
+    assert node_name() not in names  # this process is in neither namespace
+    same = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip()
+    assert same == node_name()  # and two processes of one namespace are one node

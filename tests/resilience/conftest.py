@@ -1,14 +1,12 @@
-"""A real redis-server on a free loopback port, and two hosts in network namespaces; both started and
-stopped by the tests (processes by pid)."""
+"""A real redis-server on a free loopback port, started and stopped by the tests (by pid); the two
+emulated hosts are in tests/conftest.py."""
 
-import os
 import shutil
 import subprocess
 import time
 
 import pytest
 
-from bench.netem import EmulatedNodes
 from megascale.resilience.executor import free_port
 
 
@@ -39,20 +37,3 @@ def redis_url():
     yield f"redis://127.0.0.1:{port}/0"
     proc.kill()
     proc.wait()
-
-
-@pytest.fixture
-def two_hosts():
-    if shutil.which("ip") is None:
-        pytest.skip("two-host test: the `ip` command (Debian iproute2) is not installed")
-    hosts = EmulatedNodes(str(os.getpid()))  # no limits: plain veth
-    try:
-        hosts.create()
-    except subprocess.CalledProcessError as err:
-        hosts.remove()
-        pytest.skip(
-            f"two-host test: cannot create network namespaces here ({err.stderr.strip()}); it needs root "
-            "(CAP_NET_ADMIN)"
-        )
-    yield hosts
-    hosts.remove()
