@@ -40,8 +40,6 @@ MODEL = [
     "--model.attention.n_kv_heads=4",
     "--model.max_seq_len=256",
     "--data.seq_len=256",
-    "--training.global_batch_size=8",
-    "--training.micro_batch_size=2",
     "--training.val_every=100000",
     "--training.log_every=1",
     "--training.threads=1",
@@ -121,6 +119,13 @@ def main() -> int:
     parser.add_argument(
         "--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="Layouts to run."
     )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=2,
+        help="Sequences per micro-batch (four micro-batches a step): more computation against the same "
+        "communication, since data-parallel traffic depends on the parameters, not on the tokens.",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="Seconds a run may take before it fails.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overlap.json"), help="JSON output.")
     args = parser.parse_args()
@@ -137,13 +142,17 @@ def main() -> int:
         nodes = None
         print(f"# no emulated network (needs root and iproute2: {err}); the ranks run on plain loopback")
         network = "plain loopback (no root)"
+    batch = [
+        f"--training.micro_batch_size={args.micro_batch_size}",
+        f"--training.global_batch_size={4 * args.micro_batch_size}",
+    ]
     figures: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for layout in args.layouts:
                 flags, switches = LAYOUTS[layout]
                 for config, overlaps in configurations(switches).items():
-                    job = [*MODEL, *flags, f"--training.steps={args.steps}"]
+                    job = [*MODEL, *batch, *flags, f"--training.steps={args.steps}"]
                     job += [f"--parallel.overlap.{key}={str(on).lower()}" for key, on in overlaps.items()]
                     records = run_job(nodes, Path(tmp) / f"{layout}-{config}", job, args.timeout)[3:]
                     for key in ("step_time_s", "comm_exposed_s"):
@@ -158,7 +167,13 @@ def main() -> int:
         if nodes is not None:
             nodes.remove()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    setup = {"network": network, "processes": 4, "model": MODEL, "steps": args.steps, "layouts": LAYOUTS}
+    setup = {
+        "network": network,
+        "processes": 4,
+        "model": [*MODEL, *batch],
+        "steps": args.steps,
+        "layouts": LAYOUTS,
+    }
     machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     when = datetime.now(UTC).isoformat(timespec="seconds")
     record = {"figures": figures, "setup": setup, "machine": machine, "when": when}
