@@ -35,8 +35,20 @@ def loader(cfg, prefetch: int, micro_batches_per_step: int = 2):
     return train
 
 
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _ignore_earlier_tests_threads():
+    """Loaders of earlier tests in the session (a Trainer built but never run keeps its loader until it
+    is collected) may still have their threads: count only this test's."""
+    _EARLIER.clear()
+    _EARLIER.update(thread for thread in threading.enumerate() if thread.name == "megascale-data")
+
+
 def data_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == "megascale-data"]
+    """This test's prefetch threads still alive."""
+    return [t for t in threading.enumerate() if t.name == "megascale-data" and t not in _EARLIER]
 
 
 def same(a, b) -> bool:
