@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,28 @@ def node_name() -> str:
     except OSError:  # not Linux
         machine, network = socket.gethostname(), 0
     return f"{machine}-net{network}#{os.environ.get('GROUP_RANK', '0')}"
+
+
+def _receive(
+    connection: socket.socket,
+    size: int,
+    stop: threading.Event,
+    deadline: float | None,
+    timed_out: Callable[[], DataError],
+) -> bytes:
+    """Up to `size` bytes from `connection` (whose timeout is POLL_S), waiting while none come: raises
+    Stopped once `stop` is set and `timed_out()` after `deadline`; b"" when the peer has gone."""
+    while True:
+        if stop.is_set():
+            raise Stopped
+        if deadline is not None and time.monotonic() > deadline:
+            raise timed_out()
+        try:
+            return connection.recv(size)
+        except TimeoutError:
+            continue
+        except OSError:
+            return b""
 
 
 @dataclass(frozen=True)
@@ -221,19 +244,16 @@ class RingWriter:
             self.waiting_on = taker
             connection.settimeout(POLL_S)
             while self.acknowledged[taker] < count:
-                if self.stop.is_set():
-                    raise Stopped
-                if deadline is not None and time.monotonic() > deadline:
-                    raise DataError(
+                received = _receive(
+                    connection,
+                    4096,
+                    self.stop,
+                    deadline,
+                    lambda taker=taker: DataError(
                         f"data: reader rank {self.group.rank} waited {self.wait_timeout_s:.0f} s for rank "
                         f"{taker} to take its shared batches; that rank is hung or far behind (see its log)"
-                    )
-                try:
-                    received = connection.recv(4096)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    received = b""
+                    ),
+                )
                 if not received:
                     raise self._lost(taker)
                 self.acknowledged[taker] += len(received)
@@ -332,20 +352,17 @@ class RingReader:
     def _next_announcement(self) -> bytes:
         deadline = None if self.wait_timeout_s is None else time.monotonic() + self.wait_timeout_s
         while len(self._partial) < ANNOUNCE.size:
-            if self.stop.is_set():
-                raise Stopped
-            if deadline is not None and time.monotonic() > deadline:
-                raise DataError(
+            received = _receive(
+                self.connection,
+                ANNOUNCE.size - len(self._partial),
+                self.stop,
+                deadline,
+                lambda: DataError(
                     f"data: rank {self.group.rank} waited {self.wait_timeout_s:.0f} s for the batch at "
                     f"stream position {self.waiting_position} from its node's reader, rank "
                     f"{self.group.reader}; that rank is hung or far behind (see its log)"
-                )
-            try:
-                received = self.connection.recv(ANNOUNCE.size - len(self._partial))
-            except TimeoutError:
-                continue
-            except OSError:
-                received = b""
+                ),
+            )
             if not received:
                 raise self._lost()
             self._partial += received
