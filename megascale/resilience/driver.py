@@ -105,6 +105,28 @@ def _behind(reports: dict[str, dict[str, Any]]) -> list[int]:
     return suspects if len(suspects) < len(reports) else []
 
 
+# What a run sends its own processes: torchrun's stop, the NCCL watchdog's abort, a user's Ctrl-C. Any
+# other signal (SIGKILL from the OOM killer or an operator, SIGSEGV, SIGBUS) is where a fault began.
+SECONDARY_SIGNALS = {"SIGTERM", "SIGABRT", "SIGINT"}
+
+
+def killed_by_signal(beat: dict[str, Any]) -> bool:
+    """Whether torchrun's failure summary on this node names a rank that a primary signal ended."""
+    return any(name not in SECONDARY_SIGNALS for name in beat.get("signalled", {}).values())
+
+
+def first_failed(failed: dict[str, dict[str, Any]]) -> str:
+    """The node a fault most likely began on, of those whose torchrun failed: one with a rank killed by
+    a signal (its peers elsewhere only lost a connection), else the first whose executor saw it exit."""
+    return min(
+        failed,
+        key=lambda node: (
+            not killed_by_signal(failed[node]),
+            failed[node].get("exited_at") or failed[node]["time"],
+        ),
+    )
+
+
 def _address_key(info: dict[str, Any]) -> str:
     """What torchrun's c10d rendezvous numbers the nodes by: their address as a string."""
     return info.get("address") or info.get("host") or ""
@@ -228,6 +250,7 @@ class Driver:
         loss_spike = LossSpike(res.loss_spike_z, res.anomaly_window)
         slow_steps = StepTimeCollapse(res.step_time_factor, res.anomaly_window)
         traffic = FlatCounter()
+        first_failure_seen = None
         while True:
             time.sleep(res.heartbeat_interval_s)
             now = time.time()
@@ -240,15 +263,30 @@ class Driver:
                 age = now - (beat["time"] if beat else started)
                 if age > res.heartbeat_timeout_s:
                     return Fault("heartbeat_lost", node, f"no heartbeat for {age:.1f} s", last_step)
-                if node in current and beat["state"] == "exited" and beat["exit_code"] != 0:
-                    errors = beat.get("errors", [])[-5:]
+            failed = {
+                node: beat
+                for node, beat in current.items()
+                if beat["state"] == "exited" and beat["exit_code"] != 0
+            }
+            if failed:
+                # One dead rank brings down its peers on every node within a second or so, and a peer's node
+                # may report first: wait a little for the node a signal struck, else take the first to exit.
+                first_failure_seen = first_failure_seen or now
+                node = first_failed(failed)
+                if killed_by_signal(failed[node]) or now - first_failure_seen >= 3 * res.heartbeat_interval_s:
+                    beat = failed[node]
                     return Fault(
                         "process_exit",
                         node,
                         f"torchrun exited with status {beat['exit_code']}",
                         last_step,
-                        {"errors": errors},
+                        {
+                            "errors": beat.get("errors", [])[-5:],
+                            "signalled_ranks": beat.get("signalled", {}),
+                            "also_failed": sorted(set(failed) - {node}),
+                        },
                     )
+                continue
             if len(current) == len(nodes) and all(beat["state"] == "exited" for beat in current.values()):
                 return None
             reports = {rank: report for beat in current.values() for rank, report in beat["progress"].items()}

@@ -41,6 +41,10 @@ ERROR_KEYWORDS = re.compile(
     r"traceback|error|nccl|gloo|segmentation fault|core dumped|killed|exitcode", re.ASCII | re.IGNORECASE
 )
 MAX_ERROR_LINES = 20
+# torchrun's failure summary (torch.distributed.elastic's ChildFailedError): a worker's global rank, then
+# its exit code, negative when a signal ended it.
+FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
+FAILED_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 log = logging.getLogger("megascale.executor")
 
@@ -78,6 +82,9 @@ class Executor:
         self.log_path: Path | None = None
         self.log_offset = 0
         self.errors: list[str] = []
+        self.signalled: dict[str, str] = {}  # rank -> the signal that ended it, from torchrun's summary
+        self.exited_at: float | None = None  # when this executor first saw torchrun gone
+        self._failed_rank: str | None = None
         self.seen_command = -1
         self.diagnosis: dict[str, Any] | None = None
         # Stage 2 of this node's checkpoints runs here, so it outlives the training processes.
@@ -120,6 +127,7 @@ class Executor:
         progress_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = progress_dir / "output.log"
         self.log_offset, self.errors = 0, []
+        self.signalled, self.exited_at, self._failed_rank = {}, None, None
         network = {}
         interface = interface_of(self.address) if self.address else None
         if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -200,6 +208,8 @@ class Executor:
         elif self.proc is not None:
             exit_code = self.proc.poll()
             state = "running" if exit_code is None else "exited"
+            if state == "exited" and self.exited_at is None:
+                self.exited_at = time.time()
         self._scan_log()
         progress = read_progress(self.log_path.parent) if self.log_path else {}
         workers = children_alive(self.proc.pid) if state == "running" and self.proc else []
@@ -211,6 +221,8 @@ class Executor:
             "attempt": self.attempt,
             "state": state,
             "exit_code": exit_code,
+            "exited_at": self.exited_at,
+            "signalled": self.signalled,
             "pid": self.proc.pid if self.proc else None,
             "workers": workers,
             "io_bytes": io_bytes(workers),
@@ -224,7 +236,8 @@ class Executor:
         return beat
 
     def _scan_log(self) -> None:
-        """New log lines matching an error keyword go into the heartbeat."""
+        """New log lines matching an error keyword go into the heartbeat, and so do the ranks torchrun's
+        failure summary says a signal ended (the driver's best clue to which node a fault began on)."""
         if self.log_path is None or not self.log_path.exists():
             return
         with open(self.log_path, "rb") as log:
@@ -235,6 +248,15 @@ class Executor:
         for line in chunk[:complete].decode(errors="replace").splitlines():
             if ERROR_KEYWORDS.search(line):
                 self.errors.append(line[:300])
+            if match := FAILED_RANK.match(line):
+                self._failed_rank = match[1]
+            elif (match := FAILED_EXIT.match(line)) and self._failed_rank is not None:
+                if (code := int(match[1])) < 0:
+                    try:
+                        self.signalled[self._failed_rank] = signal.Signals(-code).name
+                    except ValueError:
+                        self.signalled[self._failed_rank] = f"signal {-code}"
+                self._failed_rank = None
 
     def run(self) -> None:
         while True:

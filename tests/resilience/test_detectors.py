@@ -155,3 +155,71 @@ def test_a_save_waiting_for_a_dead_nodes_share_is_abandoned_and_the_driver_goes_
     assert time.monotonic() - started < 5
     (event,) = read_events(tmp_path)
     assert event["event"] == "abandoned" and event["checkpoint"] == str(final)
+
+
+class Beats:
+    """The driver's view of the store: each node's heartbeat, as a test sets it."""
+
+    def __init__(self, beats):
+        self.beats = beats
+
+    def fetch(self, key):
+        return self.beats.get(key.removeprefix("hb/"))
+
+
+def exited(node, at, signalled=None, exit_code=1):
+    now = 1e12  # far ahead: no heartbeat is ever stale
+    return {"time": now, "node": node, "attempt": 0, "state": "exited", "exit_code": exit_code,
+            "exited_at": at, "signalled": signalled or {}, "progress": {}, "errors": []}  # fmt: skip
+
+
+def test_a_fault_is_put_on_the_node_a_signal_struck_not_on_the_first_in_the_list(tmp_path):
+    """Rank 3 on host-b is SIGKILLed; its peers on host-a fail on the lost connection and report in the
+    same poll, or earlier: the fault is host-b's (it was host-a's, by list order, and failed in CI)."""
+    from megascale.config import load_config
+    from megascale.resilience.driver import Driver
+
+    cfg = load_config(overrides=["--resilience.heartbeat_interval_s=0.01"])
+    driver = Driver(cfg, [], tmp_path)
+    driver.store = Beats(
+        {
+            "host-a": exited("host-a", at=100.0),
+            "host-b": exited("host-b", at=100.4, signalled={"3": "SIGKILL"}),
+        }
+    )
+    fault = driver.watch(["host-a", "host-b"], attempt=0)
+    assert (fault.kind, fault.node) == ("process_exit", "host-b")
+    assert fault.extra["signalled_ranks"] == {"3": "SIGKILL"} and fault.extra["also_failed"] == ["host-a"]
+
+
+def test_without_a_primary_signal_the_fault_is_the_first_node_to_exit(tmp_path):
+    from megascale.config import load_config
+    from megascale.resilience.driver import Driver
+
+    cfg = load_config(overrides=["--resilience.heartbeat_interval_s=0.01"])
+    driver = Driver(cfg, [], tmp_path)
+    # host-a's workers were ended by torchrun (SIGTERM) after host-b's failed with an exception.
+    beats = {"host-a": exited("host-a", 100.3, {"0": "SIGTERM"}), "host-b": exited("host-b", 100.0)}
+    driver.store = Beats(beats)
+    fault = driver.watch(["host-a", "host-b"], attempt=0)
+    assert (fault.kind, fault.node, fault.extra["also_failed"]) == ("process_exit", "host-b", ["host-a"])
+
+
+def test_the_executor_reads_the_signalled_ranks_from_torchruns_failure_summary(tmp_path):
+    """The summary text is torch's own (ChildFailedError), so a change of its format fails here."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from megascale.resilience.executor import Executor
+
+    failures = {
+        2: ProcessFailure(local_rank=0, pid=101, exitcode=1, error_file=str(tmp_path / "none.json")),
+        3: ProcessFailure(local_rank=1, pid=102, exitcode=-9, error_file=str(tmp_path / "none.json")),
+    }
+    log_path = tmp_path / "output.log"
+    log_path.write_text("step 5\n" + ChildFailedError("megascale.cli", failures).format_msg() + "\n")
+    executor = Executor.__new__(Executor)  # only the log reading: no store, no torchrun
+    executor.log_path, executor.log_offset, executor.errors = log_path, 0, []
+    executor.signalled, executor._failed_rank = {}, None
+    executor._scan_log()
+    assert executor.signalled == {"3": "SIGKILL"}
+    assert any("exitcode" in line for line in executor.errors)
