@@ -237,8 +237,15 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  (threads={threads})")
     from megascale.plan.calibrate import calibrate_profile, profile_cache
 
-    for name, value in calibrate_profile(threads).items():  # the planner's CPU profile (megascale plan)
+    measured = calibrate_profile(threads)
+    for name, value in measured.items():  # the planner's CPU profile (megascale plan)
         print(f"cpu_{name} {value:.4g}")
+    if measured["steal_fraction"] > 0.1:
+        print(
+            f"warning: the hypervisor gave {measured['steal_fraction']:.0%} of this machine's CPU time to "
+            "other guests even in the quietest of three calibrations, so these figures are slower than the "
+            "machine; run `megascale calibrate` again when it is quieter"
+        )
     print(f"cached in {calibration_cache()} and {profile_cache()}")
     return 0
 

@@ -8,9 +8,11 @@ weights it costs as much as several blocks' forward), what tensor parallelism's 
 hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 15-30 s
 (most of it two fresh interpreters importing torch for the gloo measurements) and is cached next to the
 peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
-loop sees them; one process's figures are taken from the quietest of three rounds, the two-process probes
-(which wait on each other) from one longer round. On a machine shared with other work they still move with
-that work, and so do the predictions made from them.
+loop sees them, each taken from the quietest of three rounds (the two ranks of a two-process probe run
+their rounds in step). On a machine shared with other work they still move with that work, and so do the
+predictions made from them; on a virtual machine, with the time its hypervisor gives to other guests
+(steal time, cpu_load.py), so a calibration that lost more than 5% of the time to it is made again, up to
+three times, and the least disturbed one is kept and its `steal_fraction` reported.
 """
 
 from __future__ import annotations
@@ -33,11 +35,16 @@ from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
 from megascale.parallel.tensor import full_tensor
+from megascale.plan.cpu_load import cpu_times, steal_fraction
 from megascale.plan.hardware import HardwareProfile
 
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
 PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
+# A calibration during which the hypervisor took more than QUIET_STEAL of the CPU time is made again, up to
+# ATTEMPTS times in all, and the least disturbed one kept.
+QUIET_STEAL = 0.05
+ATTEMPTS = 3
 # What `megascale calibrate` stores; a cache without one of them was written by an older version.
 MEASURED = (
     "small_gemm_flops_per_s",
@@ -205,11 +212,12 @@ def _measure_gloo() -> dict[str, float]:
             mlp_chunks=overlap.tp_chunks if overlap.tp else None,
         )
 
-    tp_host = host_seconds(tensor_parallel, repeats=12, rounds=1)
+    # Both ranks run the same rounds in step, so they take the quietest round alike.
+    tp_host = host_seconds(tensor_parallel, repeats=6, rounds=3)
     fsdp_host = host_seconds(
         lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp),
-        repeats=12,
-        rounds=1,
+        repeats=6,
+        rounds=3,
     )
     half_bytes = PROBE_FLOATS * 4 / 2  # what a ring over 2 ranks moves per rank: (n - 1)/n of the tensor
     return {
@@ -262,8 +270,16 @@ def calibrate_profile(threads: int) -> dict[str, float]:
     """Measure everything the CPU profile needs with `threads` threads per process, and cache it."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    measured: dict[str, float] | None = None
     try:
-        measured = measure_local() | measure_gloo(threads)
+        for _ in range(ATTEMPTS):
+            before = cpu_times()
+            attempt = measure_local() | measure_gloo(threads)
+            attempt["steal_fraction"] = steal_fraction(before, cpu_times())  # reported, not used
+            if measured is None or attempt["steal_fraction"] < measured["steal_fraction"]:
+                measured = attempt
+            if measured["steal_fraction"] <= QUIET_STEAL:
+                break
     finally:
         torch.set_num_threads(previous)
     path = profile_cache()
