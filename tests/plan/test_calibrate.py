@@ -6,10 +6,11 @@ with other work both sides move with that work by 30% and more (the calibration 
 quietest of a few rounds, which damps but does not remove it), so the test does not start while other work
 keeps more than half of the machine's cores busy: it would measure the neighbours, not the model. The
 same holds for a virtual machine's other guests: a layout whose timed steps lost more than 5% of the CPU
-time to them (the hypervisor's steal time, megascale/plan/cpu_load.py) is run again, and the quietest of up
-to three runs is compared.
+time to them (the hypervisor's steal time, megascale/plan/cpu_load.py) is run once more, and the quieter
+run is compared; when even that one, or the calibration, lost more than 10%, the test skips.
 """
 
+import json
 import os
 import statistics
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 from megascale.cli import main
 from megascale.config import load_config
 from megascale.observe.metrics import read_metrics
-from megascale.plan.calibrate import cpu_profile
+from megascale.plan.calibrate import cache_key, cpu_profile, profile_cache
 from megascale.plan.cpu_load import CpuSampler, busy_fraction, cpu_times
 from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config
 from megascale.plan.step import estimate_step
@@ -29,8 +30,8 @@ from megascale.plan.step import estimate_step
 TOLERANCE = 0.25
 WARM_UP_STEPS = 2
 QUIET_STEAL = 0.05  # a run whose timed steps lost more than this to the hypervisor is run again
-MAX_STEAL = 0.10  # ... up to ATTEMPTS times; if even the quietest lost more, the test cannot judge
-ATTEMPTS = 3
+MAX_STEAL = 0.10  # ... ATTEMPTS runs in all; if even the quietest lost more, the test cannot judge
+ATTEMPTS = 2
 SHAPE = [
     "--model.dim=128",
     "--model.n_layers=4",
@@ -88,6 +89,9 @@ def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, 
     if busy > 0.5:
         pytest.skip(f"machine busy: other work uses {busy:.0%} of the cores before the test starts")
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0  # into this test's cache
+    calibration_steal = json.loads(profile_cache().read_text())[cache_key(1)]["steal_fraction"]
+    if calibration_steal > MAX_STEAL:
+        pytest.skip(f"the hypervisor took {calibration_steal:.0%} of the CPU time in every calibration")
     profile = cpu_profile(threads=1)
     errors = []
     for name, nproc, layout_args, steps in LAYOUTS:
