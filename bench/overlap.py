@@ -10,6 +10,12 @@ the figures are the medians over the steps after warm-up of rank 0's step time a
 (the timeline's `comm_exposed_s`: time the training thread waited for collectives). Without root the
 ranks run on plain loopback, and the output says so.
 
+Four ranks share two cores here, so a rank also waits in a collective for a peer that is descheduled or
+still computing, and for gloo's own CPU work: time that is there on an unlimited network too. So every
+configuration runs a second time right after, in the same namespaces without limits (`--no-unlimited`
+skips it), and the difference is what the emulated links cost: `network_exposed_s` (exposed communication)
+and `network_step_s` (step time), each all on over all off as well.
+
 Prints one `name value` line per figure and writes them as JSON.
 
     sudo python bench/overlap.py --out bench/results/overlap.json
@@ -30,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.netem, run as a script
 
 from bench.netem import EmulatedNodes, Link  # noqa: E402
+from megascale.observe.cpu_load import CpuSampler  # noqa: E402
 from megascale.observe.metrics import read_metrics  # noqa: E402
 from megascale.resilience.executor import free_port  # noqa: E402
 
@@ -126,6 +133,12 @@ def main() -> int:
         help="Sequences per micro-batch (four micro-batches a step): more computation against the same "
         "communication, since data-parallel traffic depends on the parameters, not on the tokens.",
     )
+    parser.add_argument(
+        "--no-unlimited",
+        dest="unlimited",
+        action="store_false",
+        help="Skip the second run of each configuration on the same namespaces without link limits.",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="Seconds a run may take before it fails.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overlap.json"), help="JSON output.")
     args = parser.parse_args()
@@ -133,13 +146,18 @@ def main() -> int:
         Link(spec.split(":")[0], float(spec.split(":")[1])) for spec in (args.inside, args.between)
     )
     nodes = EmulatedNodes(str(os.getpid()), inside=inside, between=between)
+    free = EmulatedNodes(f"{os.getpid()}u") if args.unlimited else None  # the same topology, no limits
     try:
         nodes.create()
+        if free is not None:
+            free.create()
         network = nodes.describe()
         print(f"# network: {network}", flush=True)
     except (subprocess.CalledProcessError, FileNotFoundError) as err:
-        nodes.remove()
-        nodes = None
+        for emulated in (nodes, free):
+            if emulated is not None:
+                emulated.remove()
+        nodes = free = None
         print(f"# no emulated network (needs root and iproute2: {err}); the ranks run on plain loopback")
         network = "plain loopback (no root)"
     batch = [
@@ -154,21 +172,45 @@ def main() -> int:
                 for config, overlaps in configurations(switches).items():
                     job = [*MODEL, *batch, *flags, f"--training.steps={args.steps}"]
                     job += [f"--parallel.overlap.{key}={str(on).lower()}" for key, on in overlaps.items()]
-                    records = run_job(nodes, Path(tmp) / f"{layout}-{config}", job, args.timeout)[3:]
-                    for key in ("step_time_s", "comm_exposed_s"):
-                        value = statistics.median(record[key] for record in records)
-                        figures[f"{layout}_{config}_{key}"] = round(value, 5)
-                        print(f"{layout}_{config}_{key} {value:.5f}", flush=True)
-                for key in ("comm_exposed_s", "step_time_s"):
+                    runs = {"": nodes, "_unlimited": free} if free is not None else {"": nodes}
+                    for suffix, network_nodes in runs.items():
+                        run_dir = Path(tmp) / f"{layout}-{config}{suffix}"
+                        with CpuSampler() as sampler:
+                            records = run_job(network_nodes, run_dir, job, args.timeout)[3:]
+                        for key in ("step_time_s", "comm_exposed_s"):
+                            value = statistics.median(record[key] for record in records)
+                            figures[f"{layout}_{config}{suffix}_{key}"] = round(value, 5)
+                            print(f"{layout}_{config}{suffix}_{key} {value:.5f}", flush=True)
+                        # What the hypervisor gave to other guests over the timed steps: it slows them alike.
+                        start = records[0]["time"] - records[0]["step_time_s"]
+                        steal = sampler.steal_between(start, records[-1]["time"])
+                        figures[f"{layout}_{config}{suffix}_steal"] = round(steal, 4)
+                        print(f"{layout}_{config}{suffix}_steal {steal:.4f}", flush=True)
+                    if free is not None:
+                        for name, key in (
+                            ("network_exposed_s", "comm_exposed_s"),
+                            ("network_step_s", "step_time_s"),
+                        ):
+                            cost = (
+                                figures[f"{layout}_{config}_{key}"]
+                                - figures[f"{layout}_{config}_unlimited_{key}"]
+                            )
+                            figures[f"{layout}_{config}_{name}"] = round(cost, 5)
+                            print(f"{layout}_{config}_{name} {cost:.5f}", flush=True)
+                keys = ["comm_exposed_s", "step_time_s"]
+                keys += ["network_exposed_s", "network_step_s"] if free is not None else []
+                for key in keys:
                     ratio = figures[f"{layout}_all_{key}"] / figures[f"{layout}_off_{key}"]
                     figures[f"{layout}_all_over_off_{key}"] = round(ratio, 4)
                     print(f"{layout}_all_over_off_{key} {ratio:.4f}", flush=True)
     finally:
-        if nodes is not None:
-            nodes.remove()
+        for emulated in (nodes, free):
+            if emulated is not None:
+                emulated.remove()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setup = {
         "network": network,
+        "unlimited_runs": free is not None,
         "processes": 4,
         "model": [*MODEL, *batch],
         "steps": args.steps,

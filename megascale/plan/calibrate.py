@@ -11,8 +11,8 @@ peak; the CPU profile exists only once it has been. Times are medians of repeate
 loop sees them, each taken from the quietest of three rounds (the two ranks of a two-process probe run
 their rounds in step). On a machine shared with other work they still move with that work, and so do the
 predictions made from them; on a virtual machine, with the time its hypervisor gives to other guests
-(steal time, cpu_load.py), so a calibration that lost more than 5% of the time to it is made again, up to
-three times, and the least disturbed one is kept and its `steal_fraction` reported.
+(steal time, observe/cpu_load.py), so a calibration that lost more than 5% of the time to it is made
+again, up to three times, and the least disturbed one is kept and its `steal_fraction` reported.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 from megascale.config import AttentionConfig, ModelConfig, OverlapConfig
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
+from megascale.observe.cpu_load import cpu_times, steal_fraction
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
 from megascale.parallel.tensor import full_tensor
-from megascale.plan.cpu_load import cpu_times, steal_fraction
 from megascale.plan.hardware import HardwareProfile
 
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains

@@ -6,7 +6,7 @@ with other work both sides move with that work by 30% and more (the calibration 
 quietest of a few rounds, which damps but does not remove it), so the test does not start while other work
 keeps more than half of the machine's cores busy: it would measure the neighbours, not the model. The
 same holds for a virtual machine's other guests: a layout whose timed steps lost more than 5% of the CPU
-time to them (the hypervisor's steal time, megascale/plan/cpu_load.py) is run once more, and the quieter
+time to them (the hypervisor's steal time, megascale/observe/cpu_load.py) is run once more, and the quieter
 run is compared; when even that one, or the calibration, lost more than 10%, the test skips.
 """
 
@@ -21,9 +21,9 @@ import pytest
 
 from megascale.cli import main
 from megascale.config import load_config
+from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times
 from megascale.observe.metrics import read_metrics
 from megascale.plan.calibrate import cache_key, cpu_profile, profile_cache
-from megascale.plan.cpu_load import CpuSampler, busy_fraction, cpu_times
 from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config
 from megascale.plan.step import estimate_step
 

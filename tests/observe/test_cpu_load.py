@@ -1,7 +1,7 @@
 """Reading /proc/stat: busy and stolen shares between two readings, and a window looked up afterwards."""
 
-from megascale.plan import cpu_load
-from megascale.plan.cpu_load import CpuSampler, CpuTimes, busy_fraction, cpu_times, steal_fraction
+from megascale.observe import cpu_load
+from megascale.observe.cpu_load import CpuSampler, CpuTimes, busy_fraction, cpu_times, steal_fraction
 
 
 def stat_line(user, idle, iowait, steal):
