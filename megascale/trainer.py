@@ -230,6 +230,7 @@ class Trainer(Stateful):
             flops_per_token=self.flops_per_token,
             stretch=lambda compute_s: self.injector.stretch(self.step + 1, compute_s),
         )
+        self._closed = False
         self.instruments.time_pipeline_chunks(self.parallel_model.stages)
         self._rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
 
@@ -319,12 +320,22 @@ class Trainer(Stateful):
                         collector.collect()
         if summary["interrupted"] and self.cfg.checkpoint.enabled:
             self.save_checkpoint()
-        self.checkpointer.close()  # nothing in flight when train() returns, and the snapshot memory freed
-        self.train_loader.close()  # its prefetch thread ended, the node's shared ring left
-        self.instruments.close()
+        self.close()
         writer.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
         return summary
+
+    def close(self) -> None:
+        """Let go of what outlives the Python objects: the save in flight and the snapshot memory, the
+        loader's prefetch thread and the node's shared ring, the timeline's files and the hang watch.
+        `train` does it before it returns; a Trainer stepped by hand (a test, a notebook) calls it when
+        done. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.checkpointer.close()
+        self.train_loader.close()
+        self.instruments.close()
 
     def train_step(self) -> StepMetrics:
         """One optimizer step over `global_batch_size` sequences (gradient accumulation), clipped."""

@@ -145,6 +145,17 @@ def test_error_in_the_thread_is_raised_in_the_trainers_thread(cfg, monkeypatch):
     train.close()
 
 
+def test_a_trainer_stepped_by_hand_ends_its_thread_on_close(tiny_config, tmp_path):
+    trainer = Trainer(
+        tiny_config("--data.prefetch=2", "--checkpoint.enabled=false", run_dir=tmp_path / "run")
+    )
+    trainer.train_step()
+    assert len(data_threads()) == 1
+    trainer.close()
+    trainer.close()  # idempotent
+    assert data_threads() == []
+
+
 @pytest.mark.parametrize("prefetch", [1, 0])
 def test_slow_dataset_costs_no_data_wait_with_prefetch(tiny_config, monkeypatch, tmp_path, prefetch):
     """Each batch read takes DELAY_S; each step ends with a SYNC_S gradient synchronisation. With the
