@@ -44,13 +44,14 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megascale.parallel.dims import ParallelDims
-from megascale.resilience.executor import free_port
+from megascale.resilience.redis_store import local_redis_server
 
 TIMEOUT_S = 300.0
 # TCPStore's server looks up the name of every client that connects, in its one thread; where the resolver
@@ -399,52 +400,34 @@ def redis_benchmark(port: int, clients: int, ops: int) -> dict[str, float]:
 
 
 def part_store(client_counts: list[int], args) -> dict[str, float]:
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
+    if shutil.which("redis-server") is None:
         raise SystemExit(
             "part (b) needs redis-server on PATH (apt-get install redis-server), or --skip-store"
         )
-    redis_port = free_port("127.0.0.1")
-    redis_proc = subprocess.Popen(
-        [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
     server = StoreServer()
     figures: dict[str, float] = {}
     try:
-        import redis
-
-        client = redis.Redis(port=redis_port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        addresses = {"tcpstore": f"127.0.0.1:{server.port}", "redis": f"redis://127.0.0.1:{redis_port}/0"}
-        for clients in client_counts:
-            processes = min(args.client_processes, clients)
-            for kind in ("tcpstore", "redis"):
-                figures.update(measure_store(kind, addresses[kind], clients, processes, args))
-            figures.update(redis_benchmark(redis_port, clients, max(args.ops, 20 * clients)))
-            for phase in ("set", "get", "add", "wait"):
-                figures[f"store_{clients}_{phase}_redis_over_tcpstore_throughput"] = round(
-                    figures[f"store_redis_{clients}_{phase}_ops_per_s"]
-                    / figures[f"store_tcpstore_{clients}_{phase}_ops_per_s"],
+        with local_redis_server() as redis_url:
+            redis_port = urlparse(redis_url).port
+            addresses = {"tcpstore": f"127.0.0.1:{server.port}", "redis": redis_url}
+            for clients in client_counts:
+                processes = min(args.client_processes, clients)
+                for kind in ("tcpstore", "redis"):
+                    figures.update(measure_store(kind, addresses[kind], clients, processes, args))
+                figures.update(redis_benchmark(redis_port, clients, max(args.ops, 20 * clients)))
+                for phase in ("set", "get", "add", "wait"):
+                    figures[f"store_{clients}_{phase}_redis_over_tcpstore_throughput"] = round(
+                        figures[f"store_redis_{clients}_{phase}_ops_per_s"]
+                        / figures[f"store_tcpstore_{clients}_{phase}_ops_per_s"],
+                        2,
+                    )
+                figures[f"store_{clients}_barrier_redis_over_tcpstore_p50"] = round(
+                    figures[f"store_redis_{clients}_barrier_p50_ms"]
+                    / figures[f"store_tcpstore_{clients}_barrier_p50_ms"],
                     2,
                 )
-            figures[f"store_{clients}_barrier_redis_over_tcpstore_p50"] = round(
-                figures[f"store_redis_{clients}_barrier_p50_ms"]
-                / figures[f"store_tcpstore_{clients}_barrier_p50_ms"],
-                2,
-            )
     finally:
         server.stop()
-        redis_proc.kill()
-        redis_proc.wait(timeout=10)
     return figures
 
 

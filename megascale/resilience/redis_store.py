@@ -31,9 +31,13 @@ connections are kept in a small pool and reused, since a subscribed connection c
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import shutil
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -271,3 +275,37 @@ class RedisStore(dist.Store):
             if self._idle_subscribers:
                 return self._idle_subscribers.pop()
         return self._redis.pubsub()
+
+
+@contextlib.contextmanager
+def local_redis_server(timeout_s: float = 30.0) -> Iterator[str]:
+    """A throwaway redis-server on a free loopback port, without persistence, for tests, benchmarks and a
+    try-out on one machine; yields its URL (database 0) once it answers, and kills it (by pid) after."""
+    from megascale.resilience.executor import free_port
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not on PATH (Debian: apt-get install redis-server)")
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError as err:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    message = f"redis-server on port {port} did not answer within {timeout_s} s"
+                    raise RuntimeError(message) from err
+                time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
