@@ -82,12 +82,13 @@ def timed_run(args, nproc, run_dir, tmp_path):
     reason="issue 8 open: within 25% in 6 of 8 quiet runs (3 of a batch of 5), each error within 27%; the "
     "calibration's small-GEMM rate is bimodal (docs/planning.md); the figures are printed",
 )
-def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, tmp_path):
+def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, tmp_path, monkeypatch):
     before = cpu_times()
     time.sleep(1.0)
     busy = busy_fraction(before, cpu_times())
     if busy > 0.5:
         pytest.skip(f"machine busy: other work uses {busy:.0%} of the cores before the test starts")
+    monkeypatch.setattr("megascale.plan.calibrate.ATTEMPTS", ATTEMPTS)  # bounded, as the runs below are
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0  # into this test's cache
     calibration_steal = json.loads(profile_cache().read_text())[cache_key(1)]["steal_fraction"]
     if calibration_steal > MAX_STEAL:
