@@ -61,8 +61,8 @@ def run_megascale(argv, cwd, timeout_s):
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
-    reason="issue 8 open: within 25% in 6 of 8 quiet runs (3 of a batch of 5), each error within 27%; the "
-    "calibration's small-GEMM rate is bimodal (docs/planning.md); the figures are printed",
+    reason="issue 8 open: with the hypervisor's steal low on both sides, tp2 x pp2 is still under-predicted "
+    "by 17-35% in some runs (docs/planning.md, 'The hypervisor's steal time'); the figures are printed",
 )
 def timed_run(args, nproc, run_dir, tmp_path):
     """One run of a layout: the median step time after warm-up, its fastest step, and the share of the
@@ -79,8 +79,8 @@ def timed_run(args, nproc, run_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
-    reason="issue 8 open: within 25% in 6 of 8 quiet runs (3 of a batch of 5), each error within 27%; the "
-    "calibration's small-GEMM rate is bimodal (docs/planning.md); the figures are printed",
+    reason="issue 8 open: with the hypervisor's steal low on both sides, tp2 x pp2 is still under-predicted "
+    "by 17-35% in some runs (docs/planning.md, 'The hypervisor's steal time'); the figures are printed",
 )
 def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, tmp_path, monkeypatch):
     before = cpu_times()
