@@ -40,6 +40,7 @@ from megascale.observe.metrics import MetricsWriter
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
 from megascale.observe.timeline import Timeline
 from megascale.optim import build_lr_scheduler, build_optimizer
+from megascale.optim.clip import clip_by_global_norm
 from megascale.parallel.data import issue_first_all_gathers
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
@@ -477,16 +478,9 @@ class Trainer(Stateful):
     def clip_gradients(self) -> torch.Tensor:
         """Global gradient L2 norm over every shard (TP, FSDP) and stage (PP), clipping to optim.grad_clip
         when set: a sharded run clips exactly as one process would."""
-        params = [p for part in self.model_parts for p in part.parameters()]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
-        if self.parallel_dims.pp > 1:  # each stage holds different parameters: sum their squares
-            squares = norm**2
-            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
-            norm = squares.sqrt()
-        if self.cfg.optim.grad_clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.grad_clip, norm, foreach=True)
-        return norm
+        stages = self.mesh["pp"].get_group() if self.parallel_dims.pp > 1 else None
+        params = (p for part in self.model_parts for p in part.parameters())
+        return clip_by_global_norm(params, self.cfg.optim.grad_clip, stages)
 
     @torch.no_grad()
     def validate(self) -> float:

@@ -35,7 +35,7 @@ from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.cpu_load import cpu_times, steal_fraction
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
-from megascale.parallel.tensor import full_tensor
+from megascale.optim.clip import clip_by_global_norm
 from megascale.plan.hardware import HardwareProfile
 
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
@@ -117,12 +117,10 @@ def _update(model: torch.nn.Module) -> Callable[[], None]:
     AdamW step): the global norm (an all-reduce when the gradients are DTensors), clipping, the step."""
     _fwd_bwd(model)()
     params = list(model.parameters())
-    grads = [p.grad for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-9, fused=True)
 
     def run() -> None:
-        norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+        clip_by_global_norm(params, 1.0)
         optimizer.step()
 
     return run
