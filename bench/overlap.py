@@ -182,8 +182,7 @@ def main() -> int:
                             figures[f"{layout}_{config}{suffix}_{key}"] = round(value, 5)
                             print(f"{layout}_{config}{suffix}_{key} {value:.5f}", flush=True)
                         # What the hypervisor gave to other guests over the timed steps: it slows them alike.
-                        start = records[0]["time"] - records[0]["step_time_s"]
-                        steal = sampler.steal_between(start, records[-1]["time"])
+                        steal = sampler.steal_over_steps(records)
                         figures[f"{layout}_{config}{suffix}_steal"] = round(steal, 4)
                         print(f"{layout}_{config}{suffix}_steal {steal:.4f}", flush=True)
                     if free is not None:

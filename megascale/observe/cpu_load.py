@@ -81,3 +81,8 @@ class CpuSampler:
         before = max((s for s in self.samples if s[0] <= start), default=self.samples[0], key=lambda s: s[0])
         after = min((s for s in self.samples if s[0] >= end), default=self.samples[-1], key=lambda s: s[0])
         return steal_fraction(before[1], after[1])
+
+    def steal_over_steps(self, records: list[dict]) -> float:
+        """The steal fraction over the training steps these metrics records (metrics.jsonl: each step's end
+        `time` and its `step_time_s`) time, from the first one's start to the last one's end."""
+        return self.steal_between(records[0]["time"] - records[0]["step_time_s"], records[-1]["time"])

@@ -37,6 +37,9 @@ def test_a_window_is_measured_from_the_readings_around_it():
     assert sampler.steal_between(11.0, 12.0) == 0.5
     assert sampler.steal_between(11.5, 12.5) == 0.25  # widened to the readings at 11 and 13
     assert sampler.steal_between(0.0, 99.0) == 50 / 300  # beyond the samples: all of them
+    # Steps logged at their end: one from 11.0 to 11.6, the next ending at 12.0.
+    steps = [{"time": 11.6, "step_time_s": 0.6}, {"time": 12.0, "step_time_s": 0.4}]
+    assert sampler.steal_over_steps(steps) == 0.5
 
 
 def test_the_sampler_reads_in_a_thread_until_it_is_left():
