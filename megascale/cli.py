@@ -171,7 +171,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
-    from megascale.resilience.driver import evict
+    from megascale.resilience.records import evict
 
     cfg = _load(args, extra)
     run_dir = Path(cfg.training.run_dir).expanduser()

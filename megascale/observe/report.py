@@ -26,7 +26,7 @@ from megascale.errors import MegascaleError
 from megascale.observe.hang import HANG
 from megascale.observe.metrics import read_metrics
 from megascale.observe.trace import MERGED, sessions
-from megascale.resilience.driver import read_events
+from megascale.resilience.records import read_events
 
 Records = list[dict[str, Any]]
 Series = tuple[str, str, list[tuple[float, float]]]  # label, colour, (step, value) points

@@ -11,7 +11,7 @@ import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.observe.metrics import read_metrics
-from megascale.resilience.driver import read_blocklist, read_events
+from megascale.resilience.records import read_blocklist, read_events
 from tests.conftest import tiny_args
 
 STEPS, EVERY = 12, 4
