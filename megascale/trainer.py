@@ -229,7 +229,7 @@ class Trainer(Stateful):
             world_size=dims.world_size,
             tokens_per_step=self.tokens_per_step,
             flops_per_token=self.flops_per_token,
-            stretch=lambda compute_s: self.injector.stretch(self.step + 1, compute_s),
+            stretch=lambda compute_s, clock: self.injector.stretch(self.step + 1, compute_s, clock),
         )
         self._closed = False
         self.instruments.time_pipeline_chunks(self.parallel_model.stages)
@@ -381,7 +381,7 @@ class Trainer(Stateful):
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
         # One sync per step; it also carries every rank's compute time to every rank (stragglers).
-        compute_s = self.timeline.step.compute_s if self.timeline.enabled else None
+        compute_s = self.timeline.compute_busy_s() if self.timeline.enabled else None
         loss_value = self._job_mean(local_loss, agree_on_stop=True, compute_s=compute_s).item()
         step_time_s = time.perf_counter() - started
         self.timeline.add("step", "step", started_ns, time.perf_counter_ns(), {"step": self.step + 1})

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,8 @@ class Instruments:
     """The run's timeline, hang watch, straggler detector and MFU, for one rank. Built once the run knows
     the step it starts from (trace sessions are named by it); `close()` when the loop ends.
 
-    `stretch(compute_s)` is called after each phase of compute (fault injection's slow rank)."""
+    `stretch(compute_s, clock)` is called after each phase of compute, with the phase's seconds on the
+    timeline's compute clock (fault injection's slow rank)."""
 
     def __init__(
         self,
@@ -61,7 +61,7 @@ class Instruments:
         world_size: int,
         tokens_per_step: int,
         flops_per_token: float,
-        stretch: Callable[[float], None],
+        stretch: Callable[[float, Callable[[], float]], None],
     ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
@@ -83,9 +83,10 @@ class Instruments:
     def phase(self, name: str, **args: Any) -> Iterator[None]:
         """A span of compute on the timeline; an injected slow rank stretches it."""
         with self.timeline.span(name, **args):
-            started = time.perf_counter()
+            clock = self.timeline.compute_clock
+            started = clock()
             yield
-            self._stretch(time.perf_counter() - started)
+            self._stretch(clock() - started, clock)
 
     def time_pipeline_chunks(self, stages: list[Any]) -> None:
         """Each pipeline stage's forward_one_chunk / backward_one_chunk becomes a phase of the timeline."""

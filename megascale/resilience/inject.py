@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megascale.errors import ConfigError
@@ -98,10 +99,13 @@ class FaultInjector:
         nan = any(fault.kind == "nan" and step == fault.get("step") for fault in self.faults)
         return float("nan") if nan else 1.0
 
-    def stretch(self, step: int, compute_s: float) -> None:
-        """Called after each piece of compute (a micro-batch's forward or backward, the optimizer): a slow
-        rank takes `factor` times as long over it, as a slower device would; its peers then wait for it in
-        the next collective."""
+    def stretch(self, step: int, compute_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Called after each piece of compute (a micro-batch's forward or backward, the optimizer) with its
+        seconds on `clock`: a slow rank works on until `clock` has run `factor` times as long, as a slower
+        device would; its peers then wait for it in the next collective. The work is a busy loop, not a
+        sleep, so that a thread CPU clock (the timeline's on CPU) counts it as a slower CPU's would."""
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.get("step", 1):
-                time.sleep(max(0.0, (fault.get("factor", 1.0) - 1.0) * compute_s))
+                until = clock() + max(0.0, (fault.get("factor", 1.0) - 1.0) * compute_s)
+                while clock() < until:
+                    pass

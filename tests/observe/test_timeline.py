@@ -64,6 +64,27 @@ def test_the_step_breakdown_takes_waits_out_of_compute(tmp_path):
     timeline.close()
 
 
+def spin(seconds):
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+def test_on_cpu_ranks_are_compared_by_the_cpu_time_their_compute_took(tmp_path):
+    """Time the OS gives other processes (here: a sleep) is in a compute phase's wall time but not in
+    what the straggler detector compares."""
+    timeline = Timeline(tmp_path, rank=0, coords={})
+    timeline.begin_step()
+    with timeline.span("forward"):
+        spin(0.05)
+        time.sleep(0.2)
+    with timeline.span("data"):  # not compute
+        spin(0.05)
+    assert timeline.step.compute_s > 0.25
+    assert 0.05 <= timeline.compute_busy_s() < 0.08
+    timeline.close()
+
+
 def test_a_four_process_run_merges_into_one_valid_trace(tiny_corpus, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_args(

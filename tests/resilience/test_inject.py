@@ -1,6 +1,7 @@
 """Fault-injection specs: parsing, first-attempt-only, and the per-rank hooks."""
 
 import math
+import time
 
 import pytest
 
@@ -33,6 +34,17 @@ def test_a_rank_takes_only_its_own_faults():
     assert FaultInjector(spec, rank=0, attempt=0).loss_scale(4) == 1.0
     assert [fault.kind for fault in FaultInjector(spec, rank=1, attempt=0).faults] == ["nan", "slow"]
     assert not FaultInjector(spec, rank=0, attempt=1)
+
+
+def test_a_slow_rank_works_on_rather_than_sleeps():
+    """A slow rank on CPU must take more CPU time, as a slower CPU would: the straggler detector compares
+    ranks by CPU time there, and a sleep would not show."""
+    injector = FaultInjector("slow:rank=0:factor=1.5:step=2", rank=0, attempt=0)
+    started = time.thread_time()
+    injector.stretch(1, 0.1, time.thread_time)  # before the fault's step
+    assert time.thread_time() - started < 0.01
+    injector.stretch(2, 0.1, time.thread_time)
+    assert 0.05 <= time.thread_time() - started < 0.07
 
 
 def test_a_bad_spec_is_a_config_error_before_anything_starts(tmp_path):
