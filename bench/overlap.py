@@ -134,6 +134,15 @@ def main() -> int:
         "communication, since data-parallel traffic depends on the parameters, not on the tokens.",
     )
     parser.add_argument(
+        "--zero-stage",
+        type=int,
+        default=1,
+        choices=(1, 2, 3),
+        help="parallel.zero_stage of the data-parallel layout. 1 (the default) is Megatron-LM's distributed "
+        "optimizer, which MegaScale's runs use: one all-gather and one reduce-scatter a step; 3 is "
+        "megascale's default, which reduce-scatters every micro-batch.",
+    )
+    parser.add_argument(
         "--no-unlimited",
         dest="unlimited",
         action="store_false",
@@ -163,6 +172,7 @@ def main() -> int:
     batch = [
         f"--training.micro_batch_size={args.micro_batch_size}",
         f"--training.global_batch_size={4 * args.micro_batch_size}",
+        f"--parallel.zero_stage={args.zero_stage}",
     ]
     figures: dict[str, float] = {}
     try:

@@ -306,9 +306,11 @@ class ParallelConfig:
     )
     zero_stage: int = option(
         3,
-        "2: keep parameters gathered from forward to backward (ZeRO-2-like, more memory, less traffic); "
-        "3: free them after forward and gather again for backward.",
-        choices=(2, 3),
+        "1: keep parameters gathered and gradients whole over the step's micro-batches, reduce-scattering "
+        "once at the last (Megatron-LM's distributed optimizer: one all-gather and one reduce-scatter a "
+        "step, the most memory); 2: keep parameters gathered from forward to backward, reduce-scatter "
+        "every micro-batch (ZeRO-2-like); 3: free them after forward and gather again for backward.",
+        choices=(1, 2, 3),
     )
     pp_schedule: str = option("1f1b", "Pipeline schedule.", choices=("1f1b", "interleaved_1f1b", "gpipe"))
     pp_virtual_stages: int = option(

@@ -41,7 +41,7 @@ from megascale.observe.progress import TrainingProgress, make_console, setup_log
 from megascale.observe.timeline import Timeline
 from megascale.optim import build_lr_scheduler, build_optimizer
 from megascale.optim.clip import clip_by_global_norm
-from megascale.parallel.data import issue_first_all_gathers
+from megascale.parallel.data import issue_first_all_gathers, sync_gradients
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
 from megascale.parallel.parallelize import parallelize
@@ -363,12 +363,15 @@ class Trainer(Stateful):
             else:
                 local_loss = torch.zeros((), device=self.device)
                 for index, (inputs, labels) in enumerate(batches):
+                    if self.cfg.parallel.zero_stage == 1:  # one reduce-scatter a step, at the last
+                        sync_gradients(self.model_parts, index == len(batches) - 1)
                     with self.instruments.phase("forward", micro_batch=index):
                         loss = self.loss(inputs, labels) * self._loss_scale / self.grad_accum_steps
                     with self.instruments.phase("backward", micro_batch=index):
                         loss.backward()
                     local_loss += full_tensor(loss.detach())
         with self.instruments.phase("clip"):
+            self.parallel_model.wait_for_gradients()
             grad_norm = self.clip_gradients()
         lr = self.optimizers[0].param_groups[0]["lr"]
         finite = bool(torch.isfinite(grad_norm))  # the norm is global: every rank decides alike

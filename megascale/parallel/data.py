@@ -12,23 +12,47 @@ all-gather is made asynchronous and issued one unit ahead, in the order the comp
 (forward: root, block 0, 1, ...; backward: the reverse), and waited for only in the pre-forward or
 pre-backward of the unit that needs it; the step's first all-gather is issued before its batch is
 fetched (`issue_first_all_gathers`), so it overlaps data loading. FSDP2 provides the prefetch hooks; this
-module only decides the units, the mode and the order. The gradient reduce-scatter is still blocking on
-CPU (FSDP2 issues it synchronously without streams); on an accelerator FSDP2 runs it on its own stream
-(untested here: no GPU).
+module only decides the units, the mode and the order.
+
+The gradient reduce-scatter: on an accelerator FSDP2 runs it on a stream of its own (untested here: no
+GPU); without streams it blocks where it is issued, right after each unit's backward, so the rest of the
+backward waits for it. FSDP2 lets the reduce-scatter be replaced (`set_custom_reduce_scatter`) but calls
+the replacement as a blocking one, so `GradientReductions` issues it asynchronously and keeps the works;
+FSDP2 only makes the unit's gradients views of the output, which nobody reads until
+`GradientReductions.wait()` before the gradients are clipped. Where FSDP2 would read the output at once
+(adding it to gradients an earlier micro-batch left), the reduction is made blocking, after the pending
+ones; HSDP's all-reduce reads it too, so HSDP keeps FSDP2's own.
+
+ZeRO stage 1 (`parallel.zero_stage = 1`) is Megatron-LM's distributed optimizer, which MegaScale builds
+on: parameters stay gathered and gradients whole over the step's micro-batches, reduce-scattered once at
+the last (`sync_gradients`), so data-parallel traffic is one all-gather and one reduce-scatter a step
+whatever the gradient accumulation; FSDP2 by default reduce-scatters every micro-batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # no public name in torch 2.13
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, *, blocks: str, zero_stage: int, overlap: bool = False
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    blocks: str,
+    zero_stage: int,
+    overlap: bool = False,
+    reductions: GradientReductions | None = None,
 ) -> None:
     """Shard `model` in place over `dp_mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). Collective over
-    the data-parallel group; apply after tensor parallelism, on identical models."""
+    the data-parallel group; apply after tensor parallelism, on identical models. With `reductions` (a
+    1-D mesh only) the gradient reduce-scatters are asynchronous, waited for by `reductions.wait()`."""
     reshard_after_forward = zero_stage == 3
     units = list(model.get_submodule(blocks).children())
     for index, block in enumerate(units):
@@ -38,6 +62,13 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     if overlap:
         prefetch_one_unit_ahead(model, units)
+    if reductions is not None:
+        if dp_mesh.ndim != 1:
+            raise ValueError("asynchronous gradient reduce-scatters: HSDP's all-reduce reads them at once")
+        blocks_params = {id(param) for unit in units for param in unit.parameters()}
+        root_params = [param for param in model.parameters() if id(param) not in blocks_params]
+        for unit, params in [*((unit, list(unit.parameters())) for unit in units), (model, root_params)]:
+            unit.set_custom_reduce_scatter(_AsyncReduceScatter(params, reductions))
 
 
 def prefetch_one_unit_ahead(root: FSDPModule, units: list[FSDPModule]) -> None:
@@ -56,3 +87,49 @@ def issue_first_all_gathers(parts: list[nn.Module]) -> None:
     for part in parts:
         if isinstance(part, FSDPModule):
             part.unshard(async_op=True)
+
+
+def sync_gradients(parts: Sequence[nn.Module], enabled: bool) -> None:
+    """Whether the next backward reduce-scatters gradients and frees the gathered parameters (ZeRO-1:
+    only the step's last micro-batch does). Parts that are not FSDP units are left alone."""
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(enabled)
+            part.set_reshard_after_backward(enabled)
+
+
+class GradientReductions:
+    """The gradient reduce-scatters in flight; `wait()` before anything reads the gradients."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # each work and its input, kept alive
+
+    def wait(self) -> None:
+        while self.pending:
+            work, _ = self.pending.pop(0)
+            work.wait()
+
+
+class _AsyncReduceScatter(ReduceScatter):
+    """One FSDP unit's reduce-scatter, issued asynchronously unless FSDP2 is about to read its output."""
+
+    def __init__(self, params: list[nn.Parameter], reductions: GradientReductions):
+        self.params, self.reductions = params, reductions
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if any(param.grad is not None for param in self.params):  # FSDP2 adds the output to them next
+            self.reductions.wait()  # those gradients may be an earlier reduction's output
+            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=True)
+        self.reductions.pending.append((work, input_tensor))
+        return None

@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from megascale.config import ParallelConfig
 from megascale.models import plan
 from megascale.parallel.activation import apply_activation_checkpointing
-from megascale.parallel.data import apply_fsdp
+from megascale.parallel.data import GradientReductions, apply_fsdp
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
 from megascale.parallel.tensor import apply_tensor_parallel
@@ -35,6 +35,12 @@ class ParallelModel:
     stages: list[PipelineStage]  # the schedule's stages, one per part (none without pipeline parallelism)
     first_stage: bool  # holds the embedding: feeds the inputs
     last_stage: bool  # holds the output layer: computes the loss
+    gradient_reductions: GradientReductions | None = None  # asynchronous reduce-scatters (DP overlap, CPU)
+
+    def wait_for_gradients(self) -> None:
+        """Before anything reads the gradients: the reduce-scatters still in flight have finished."""
+        if self.gradient_reductions is not None:
+            self.gradient_reductions.wait()
 
 
 def parallelize(
@@ -50,6 +56,12 @@ def parallelize(
 ) -> ParallelModel:
     """Collective over the whole mesh: every rank calls it with an identical `model` (same weights)."""
     parts, schedule, stages, first, last = [model], None, [], True, True
+    # Without streams (CPU) FSDP2's reduce-scatters block; made asynchronous here (parallel/data.py), but
+    # not under a pipeline schedule: it scales the gradients as soon as FSDP2 has reduced them.
+    async_reductions = (
+        par.overlap.dp and device.type == "cpu" and dims.dp > 1 and dims.dp_replicate == 1 and dims.pp == 1
+    )
+    reductions = GradientReductions() if async_reductions else None
     if dims.pp > 1:
         num_stages = dims.pp * par.pp_virtual_stages
         ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=plan.BLOCKS)
@@ -89,6 +101,7 @@ def parallelize(
                 blocks=plan.BLOCKS,
                 zero_stage=par.zero_stage,
                 overlap=par.overlap.dp,
+                reductions=reductions,
             )
     if dims.pp > 1:
         schedule, stages = build_schedule(
@@ -102,4 +115,11 @@ def parallelize(
             group=mesh["pp"].get_group(),
             overlap=par.overlap.pp,
         )
-    return ParallelModel(parts=parts, schedule=schedule, stages=stages, first_stage=first, last_stage=last)
+    return ParallelModel(
+        parts=parts,
+        schedule=schedule,
+        stages=stages,
+        first_stage=first,
+        last_stage=last,
+        gradient_reductions=reductions,
+    )

@@ -81,7 +81,7 @@ class Features:
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
-    dp_sync_per_micro_batch: bool = False  # FSDP2 as megascale applies it: DP traffic every micro-batch
+    dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
 
 

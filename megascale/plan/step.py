@@ -178,7 +178,8 @@ def _dp_exposed_seconds(
         gather_or_scatter_seconds(params * nbytes / units, layout.dp, profile, cross) * units
         for nbytes in (precision.grad_bytes, *[precision.weight_bytes] * gathers)
     )
-    total_s = sync_s * (layout.micro_batches(job) if features.dp_sync_per_micro_batch else 1)
+    per_micro_batch = features.dp_sync_per_micro_batch and layout.zero_stage >= 2  # ZeRO-1: once a step
+    total_s = sync_s * (layout.micro_batches(job) if per_micro_batch else 1)
     if not features.dp_overlap:
         return total_s
     return max(total_s / (2 * layout.virtual_stages), total_s - compute_s)

@@ -16,6 +16,9 @@ STEPS = 10
 # Per rank, 4 blocks x 2 chunks x 2 micro-batches: 16 all-gathers per forward and 16 per backward over 10
 # steps, and 16 more in the one validation (2 micro-batches, forward only).
 MLP_GATHERS = STEPS * 32 + 16
+# Two micro-batches per rank and step, gradients reduce-scattered once, at the second.
+ZERO1_ACCUMULATING = ["--parallel.zero_stage=1", "--training.micro_batch_size=1"]
+ZERO2_ACCUMULATING = ["--parallel.zero_stage=2", "--training.micro_batch_size=1"]  # reduced at each
 INTERLEAVED = [
     "--parallel.pp=2",
     "--parallel.pp_schedule=interleaved_1f1b",
@@ -39,6 +42,16 @@ def train_both_ways(rank, world_size, corpus, data_dir, run_root, layout, switch
         result.setdefault("mixed", {})[value] = any("send" in ops and "recv" in ops for ops in p2p)
         waits = [e["name"] for e in events if e["ph"] == "X" and e["name"].startswith("wait ")]
         result.setdefault("mlp_gathers_waited", {})[value] = waits.count("wait all_gather_into_tensor")
+        # A blocking collective's time on the wait track bears its own name; an asynchronous one's "wait ...".
+        on_wait_track = [
+            e["name"]
+            for e in events
+            if e["ph"] == "X" and e.get("cat") == "wait" and "dp" in e["args"].get("group", "")
+        ]
+        result.setdefault("reduce_scatters", {})[value] = {
+            "async": on_wait_track.count("wait reduce_scatter_single"),
+            "blocking": on_wait_track.count("reduce_scatter_single"),
+        }
     return result
 
 
@@ -48,6 +61,13 @@ def train_both_ways(rank, world_size, corpus, data_dir, run_root, layout, switch
     [
         ("tp2 tp", 2, ["--parallel.tp=2", "--training.micro_batch_size=2"], "parallel.overlap.tp"),
         ("dp2xtp2 dp", 4, ["--parallel.dp_shard=2", "--parallel.tp=2"], "parallel.overlap.dp"),
+        ("dp2 zero1 dp", 2, ["--parallel.dp_shard=2", *ZERO1_ACCUMULATING], "parallel.overlap.dp"),
+        (
+            "dp2 zero2 accumulating dp",
+            2,
+            ["--parallel.dp_shard=2", *ZERO2_ACCUMULATING],
+            "parallel.overlap.dp",
+        ),
         ("pp2 1f1b pp", 2, ["--parallel.pp=2", "--training.micro_batch_size=1"], "parallel.overlap.pp"),
         ("tp2xpp2 interleaved pp", 4, ["--parallel.tp=2", *INTERLEAVED], "parallel.overlap.pp"),
     ],
@@ -68,6 +88,16 @@ def test_an_overlap_changes_no_loss(name, world_size, layout, switch, tiny_corpu
         assert all(r["mlp_gathers_waited"]["false"] == 0 for r in results)
     else:
         assert on == off  # bit for bit: the same reductions in the same order
+    if switch == "parallel.overlap.dp":
+        # One reduce-scatter per FSDP unit (4 blocks and the root), step and synchronised micro-batch:
+        # asynchronous with the overlap, blocking without; blocking too where FSDP2 adds the result to an
+        # earlier micro-batch's gradients at once.
+        print("gradient reduce-scatters per rank:", [r["reduce_scatters"] for r in results])
+        later = 5 * STEPS if "accumulating" in name else 0  # the second micro-batch's
+        assert all(r["reduce_scatters"]["true"] == {"async": 5 * STEPS, "blocking": later} for r in results)
+        assert all(
+            r["reduce_scatters"]["false"] == {"async": 0, "blocking": 5 * STEPS + later} for r in results
+        )
     if switch == "parallel.overlap.pp":
         # Decoupled: no rank ever waits on a send and a receive as one batch; in lock-step some do.
         assert not any(r["mixed"]["true"] for r in results)

@@ -80,6 +80,7 @@ def check_parity(reference, tiny_corpus, tmp_path, world_size, layout):
 # (world size, layout flags); micro-batch sizes differ, the 4 sequences of each step do not.
 LAYOUTS = {
     "dp2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch_size=2"]),
+    "fsdp2-zero1": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=1", "--training.micro_batch_size=1"]),
     "fsdp2-zero2": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=2", "--training.micro_batch_size=1"]),
     "fsdp2-zero3": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=3", "--training.micro_batch_size=2"]),
     "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--training.micro_batch_size=1"]),

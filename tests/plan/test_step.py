@@ -62,3 +62,12 @@ def test_full_recomputation_costs_a_forward_and_features_off_cost_time():
     assert estimate(recompute="full").terms_s["recompute"] > 0
     assert estimate(recompute="none").terms_s["recompute"] == 0
     assert estimate(features=Features()).step_s > estimate(features=MEGASCALE).step_s
+
+
+def test_megascales_trainer_syncs_every_micro_batch_but_at_zero_stage_1():
+    trainer = dataclasses.replace(MEGASCALE, dp_sync_per_micro_batch=True, dp_overlap=False)
+    once = dataclasses.replace(trainer, dp_sync_per_micro_batch=False)
+    dp_s = lambda features, stage: estimate(features, zero_stage=stage).terms_s["dp_exposed"]  # noqa: E731
+    micro_batches = Layout(dp=4, **LAYOUT_175B).micro_batches(JOB)
+    assert dp_s(trainer, 2) == pytest.approx(micro_batches * dp_s(once, 2))
+    assert dp_s(trainer, 1) == pytest.approx(dp_s(once, 1))
