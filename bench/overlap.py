@@ -1,20 +1,21 @@
 """MegaScale's communication overlap on an emulated cluster network: exposed communication and step time
 with each overlap off and on, and all on, side by side in one run.
 
-Two "nodes" (network namespaces, bench/netem.py) of two ranks each: the links inside a node (loopback) and
-between the nodes (a veth pair) are limited with `tc` (bandwidth and delay with netem; bandwidth only
-where the kernel lacks netem, as in this project's VM). Two layouts, each with tensor parallelism
-inside a node: dp2 x tp2 (data parallelism across the nodes) and tp2 x pp2 interleaved (the pipeline
-across them). For every layout the job runs with all overlaps off, with each one alone on, and with all on;
-the figures are the medians over the steps after warm-up of rank 0's step time and exposed communication
-(the timeline's `comm_exposed_s`: time the training thread waited for collectives). Without root the
-ranks run on plain loopback, and the output says so.
+Two "nodes" (network namespaces, bench/netem.py): the links inside a node (loopback) and between the
+nodes (a veth pair) are limited with `tc` (bandwidth and delay with netem; bandwidth only where the kernel
+lacks netem, as in this project's VM). Five layouts: dp2 x tp2 (data parallelism across the nodes) and
+tp2 x pp2 interleaved (the pipeline across them), two ranks per node with tensor parallelism inside one;
+and dp2, tp2 and pp2 interleaved, one rank per core. For every layout the job runs with all overlaps off,
+with each one alone on, and with all on; the figures are the medians over the steps after warm-up of rank
+0's step time and exposed communication (the timeline's `comm_exposed_s`: time the training thread waited
+for collectives). Without root the ranks run on plain loopback, and the output says so.
 
-Four ranks share two cores here, so a rank also waits in a collective for a peer that is descheduled or
-still computing, and for gloo's own CPU work: time that is there on an unlimited network too. So every
-configuration runs a second time right after, in the same namespaces without limits (`--no-unlimited`
-skips it), and the difference is what the emulated links cost: `network_exposed_s` (exposed communication)
-and `network_step_s` (step time), each all on over all off as well.
+Four ranks share two cores, so in the 3-D layouts a rank also waits in a collective for a peer that is
+descheduled or still computing, and for gloo's own CPU work: time that is there on an unlimited network
+too, and that no overlap can hide; the two-rank layouts measure each overlap without it. Every
+configuration also runs a second time right after, in the same namespaces without limits
+(`--no-unlimited` skips it), and the difference is what the emulated links cost: `network_exposed_s`
+(exposed communication) and `network_step_s` (step time), each all on over all off as well.
 
 Prints one `name value` line per figure and writes them as JSON.
 
@@ -41,7 +42,6 @@ from megascale.observe.metrics import read_metrics  # noqa: E402
 from megascale.resilience.executor import free_port  # noqa: E402
 
 MODEL = [
-    "--model.dim=256",
     "--model.n_layers=4",
     "--model.attention.n_heads=8",
     "--model.attention.n_kv_heads=4",
@@ -56,8 +56,8 @@ MODEL = [
     "--metrics.progress=false",
     "--metrics.tensorboard=false",
 ]
-LAYOUTS = {
-    "dp2xtp2": (["--parallel.dp_shard=2", "--parallel.tp=2"], ("tp", "dp")),
+LAYOUTS = {  # flags, the overlaps that apply, the node of each rank
+    "dp2xtp2": (["--parallel.dp_shard=2", "--parallel.tp=2"], ("tp", "dp"), (0, 0, 1, 1)),
     "tp2xpp2": (
         [
             "--parallel.tp=2",
@@ -66,6 +66,15 @@ LAYOUTS = {
             "--parallel.pp_virtual_stages=2",
         ],
         ("tp", "pp"),
+        (0, 0, 1, 1),
+    ),
+    # One rank per core: each overlap alone, without ranks waiting for a descheduled peer.
+    "dp2": (["--parallel.dp_shard=2"], ("dp",), (0, 1)),
+    "tp2": (["--parallel.tp=2"], ("tp",), (0, 0)),
+    "pp2": (
+        ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"],
+        ("pp",),
+        (0, 1),
     ),
 }
 ALL = ("tp", "pp", "dp")
@@ -74,32 +83,39 @@ ALL = ("tp", "pp", "dp")
 def configurations(switches: tuple[str, ...]) -> dict[str, dict[str, bool]]:
     """off, each relevant overlap alone, all on."""
     configs = {"off": dict.fromkeys(ALL, False)}
-    for name in switches:
+    for name in switches if len(switches) > 1 else ():
         configs[f"{name}_only"] = {key: key == name for key in ALL}
     configs["all"] = dict.fromkeys(ALL, True)
     return configs
 
 
-def run_job(nodes: EmulatedNodes | None, run_dir: Path, args: list[str], timeout_s: float) -> list[dict]:
-    """Four ranks, two per node; rank 0's metrics."""
+def run_job(
+    nodes: EmulatedNodes | None,
+    run_dir: Path,
+    args: list[str],
+    timeout_s: float,
+    node_of_rank: tuple[int, ...] = (0, 0, 1, 1),
+) -> list[dict]:
+    """One process per rank, on the node `node_of_rank` gives it; rank 0's metrics."""
     port = free_port("127.0.0.1")
     master = nodes.addresses[0] if nodes else "127.0.0.1"
     procs = []
-    for rank in range(4):
+    for rank, node in enumerate(node_of_rank):
+        local = [other for other, its_node in enumerate(node_of_rank) if its_node == node]
         env = {
             **os.environ,
             "MASTER_ADDR": master,
             "MASTER_PORT": str(port),
             "RANK": str(rank),
-            "WORLD_SIZE": "4",
-            "LOCAL_RANK": str(rank % 2),
-            "LOCAL_WORLD_SIZE": "2",
+            "WORLD_SIZE": str(len(node_of_rank)),
+            "LOCAL_RANK": str(local.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(local)),
         }
         command = [sys.executable, "-m", "megascale.cli", "train", *args, f"--training.run_dir={run_dir}"]
         if nodes is not None:
-            env["GLOO_SOCKET_IFNAME"] = nodes.devices[rank // 2]
+            env["GLOO_SOCKET_IFNAME"] = nodes.devices[node]
             procs.append(
-                nodes.start(rank // 2, command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                nodes.start(node, command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             )
         else:
             procs.append(
@@ -130,8 +146,15 @@ def main() -> int:
         "--micro-batch-size",
         type=int,
         default=2,
-        help="Sequences per micro-batch (four micro-batches a step): more computation against the same "
-        "communication, since data-parallel traffic depends on the parameters, not on the tokens.",
+        help="Sequences per micro-batch (the global batch is four of them): more computation against the "
+        "same communication, since data-parallel traffic depends on the parameters, not on the tokens.",
+    )
+    parser.add_argument(
+        "--dim",
+        type=int,
+        default=256,
+        help="Model width: a tensor-parallel GEMM does dim/tp FLOP per byte its collectives move, so wider "
+        "models leave more computation to hide the transfers behind.",
     )
     parser.add_argument(
         "--zero-stage",
@@ -173,12 +196,13 @@ def main() -> int:
         f"--training.micro_batch_size={args.micro_batch_size}",
         f"--training.global_batch_size={4 * args.micro_batch_size}",
         f"--parallel.zero_stage={args.zero_stage}",
+        f"--model.dim={args.dim}",
     ]
     figures: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for layout in args.layouts:
-                flags, switches = LAYOUTS[layout]
+                flags, switches, node_of_rank = LAYOUTS[layout]
                 for config, overlaps in configurations(switches).items():
                     job = [*MODEL, *batch, *flags, f"--training.steps={args.steps}"]
                     job += [f"--parallel.overlap.{key}={str(on).lower()}" for key, on in overlaps.items()]
@@ -186,8 +210,9 @@ def main() -> int:
                     for suffix, network_nodes in runs.items():
                         run_dir = Path(tmp) / f"{layout}-{config}{suffix}"
                         with CpuSampler() as sampler:
-                            records = run_job(network_nodes, run_dir, job, args.timeout)[3:]
-                        for key in ("step_time_s", "comm_exposed_s"):
+                            records = run_job(network_nodes, run_dir, job, args.timeout, node_of_rank)[3:]
+                        # bubble_s: waits for pipeline sends and receives, where the pipeline's traffic shows.
+                        for key in ("step_time_s", "comm_exposed_s", "bubble_s"):
                             value = statistics.median(record[key] for record in records)
                             figures[f"{layout}_{config}{suffix}_{key}"] = round(value, 5)
                             print(f"{layout}_{config}{suffix}_{key} {value:.5f}", flush=True)
@@ -206,7 +231,7 @@ def main() -> int:
                             )
                             figures[f"{layout}_{config}_{name}"] = round(cost, 5)
                             print(f"{layout}_{config}_{name} {cost:.5f}", flush=True)
-                keys = ["comm_exposed_s", "step_time_s"]
+                keys = ["comm_exposed_s", "step_time_s"] + (["bubble_s"] if "pp" in switches else [])
                 keys += ["network_exposed_s", "network_step_s"] if free is not None else []
                 for key in keys:
                     ratio = figures[f"{layout}_all_{key}"] / figures[f"{layout}_off_{key}"]
@@ -220,7 +245,6 @@ def main() -> int:
     setup = {
         "network": network,
         "unlimited_runs": free is not None,
-        "processes": 4,
         "model": [*MODEL, *batch],
         "steps": args.steps,
         "layouts": LAYOUTS,
