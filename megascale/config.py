@@ -272,10 +272,11 @@ class OverlapConfig:
     )
     tp: bool = option(
         True,
-        "Tensor parallelism with sequence parallelism: each MLP's sequence all-gather and reduce-scatter "
-        "are pipelined with its GEMMs over tp_chunks chunks of the sequence, forward and backward.",
+        "Tensor parallelism with sequence parallelism: each MLP's and each attention's sequence all-gather "
+        "and reduce-scatter are pipelined with their projection GEMMs over tp_chunks chunks of the "
+        "sequence, forward and backward.",
     )
-    tp_chunks: int = option(2, "Sequence chunks of the tensor-parallel MLP overlap.", ge=2)
+    tp_chunks: int = option(2, "Sequence chunks of the tensor-parallel overlap.", ge=2)
     pp: bool = option(
         True,
         "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "

@@ -69,18 +69,29 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        return self.wo(self.mix(self.wq(x), self.wk(x), self.wv(x), rope))
+
+    def mix(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The part between the projections, the only one that needs the whole sequence: the projections
+        [batch, seq, heads * head_dim] split into heads, rotated, attended; [batch, seq, heads * head_dim]."""
+        batch, seq, _ = q.shape
         # -1 instead of the head counts lets tensor parallelism shard the heads without touching this code.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             # The tables cover max_seq_len; slice here, where the whole sequence is present (the residual
             # stream around this module may be sequence-sharded).
             cos, signed_sin = rope[0][:seq], rope[1][:seq]
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         out = causal_attention(q, k, v, self.window)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class FeedForward(nn.Module):

@@ -8,6 +8,8 @@ megascale.parallel turns these words into DTensor styles; the model code itself 
 - "gather_sequence": a module whose input is the residual stream and which needs the whole sequence.
 - "position_wise_mlp": like "gather_sequence", but each position is computed alone: `w2(activate(w1 x,
   w3 x))` (w3 absent without a gate), so the sequence may be processed in chunks.
+- "projected_mixer": like "gather_sequence", for `wo(mix(wq x, wk x, wv x, ...))` (attention): only `mix`
+  needs the whole sequence; the projections around it are position-wise, so they may run in chunks.
 - "colwise" / "rowwise": a linear layer split by output features / by input features (Megatron).
 """
 
@@ -23,7 +25,7 @@ TOP_LEVEL_PLAN = {
 BLOCK_PLAN = {
     "attention_norm": "sequence",
     "ffn_norm": "sequence",
-    "attention": "gather_sequence",
+    "attention": "projected_mixer",
     "attention.wq": "colwise",
     "attention.wk": "colwise",
     "attention.wv": "colwise",

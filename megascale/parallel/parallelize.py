@@ -88,7 +88,7 @@ def parallelize(
                 block_plan=plan.BLOCK_PLAN,
                 top_level_plan=plan.TOP_LEVEL_PLAN,
                 sequence_parallel=par.sequence_parallel,
-                mlp_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
+                overlap_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
             )
         apply_activation_checkpointing(part, blocks=plan.BLOCKS, mode=par.activation_checkpoint)
         if compile_blocks:

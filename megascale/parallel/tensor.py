@@ -26,15 +26,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from megascale.parallel.tensor_overlap import ChunkedSequenceParallelMLP
+from megascale.parallel.tensor_overlap import ChunkedSequenceParallelAttention, ChunkedSequenceParallelMLP
 
 
-def _style(word: str, sequence_parallel: bool, module: nn.Module, mlp_chunks: int | None):
+def _style(word: str, sequence_parallel: bool, module: nn.Module, overlap_chunks: int | None):
     """The DTensor parallel style for one plan word, or None when the word needs nothing without SP."""
     stream = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
-    if word == "position_wise_mlp":
-        if sequence_parallel and mlp_chunks is not None:
-            return ChunkedSequenceParallelMLP(mlp_chunks)
+    if word in ("position_wise_mlp", "projected_mixer"):
+        if sequence_parallel and overlap_chunks is not None:
+            if word == "position_wise_mlp":
+                return ChunkedSequenceParallelMLP(overlap_chunks)
+            return ChunkedSequenceParallelAttention(overlap_chunks)
         word = "gather_sequence"
     if word == "colwise":
         return ColwiseParallel()
@@ -66,12 +68,12 @@ def _submodule(module: nn.Module, name: str) -> nn.Module | None:
 
 
 def _plan_for(
-    module: nn.Module, plan: dict[str, str], sequence_parallel: bool, mlp_chunks: int | None
+    module: nn.Module, plan: dict[str, str], sequence_parallel: bool, overlap_chunks: int | None
 ) -> dict:
     styles = {}
     for name, word in plan.items():
         submodule = _submodule(module, name)
-        style = _style(word, sequence_parallel, submodule, mlp_chunks) if submodule is not None else None
+        style = _style(word, sequence_parallel, submodule, overlap_chunks) if submodule is not None else None
         if style is not None:
             styles[name] = style
     return styles
@@ -85,15 +87,15 @@ def apply_tensor_parallel(
     block_plan: dict[str, str],
     top_level_plan: dict[str, str],
     sequence_parallel: bool,
-    mlp_chunks: int | None = None,
+    overlap_chunks: int | None = None,
 ) -> None:
     """Shard `model` in place over `tp_mesh`. Collective over the TP group; every TP rank calls it with
     an identical model (same weights), whose tensors become DTensors holding this rank's shard. With
-    `mlp_chunks` (and sequence parallelism) the MLPs overlap their communication in that many sequence
-    chunks (tensor_overlap.py)."""
+    `overlap_chunks` (and sequence parallelism) the MLPs and the attention projections overlap their
+    communication in that many sequence chunks (tensor_overlap.py)."""
     for block in model.get_submodule(blocks).children():
-        parallelize_module(block, tp_mesh, _plan_for(block, block_plan, sequence_parallel, mlp_chunks))
-    parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel, mlp_chunks))
+        parallelize_module(block, tp_mesh, _plan_for(block, block_plan, sequence_parallel, overlap_chunks))
+    parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel, overlap_chunks))
 
 
 def loss_context(tensor_parallel: bool) -> contextlib.AbstractContextManager:

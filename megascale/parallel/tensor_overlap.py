@@ -1,5 +1,6 @@
-"""Tensor-parallel overlap on the MLP path (paper §3.2, Fig. 3): the sequence all-gather fused into the
-column-parallel GEMMs and the reduce-scatter into the row-parallel GEMM, pipelined over sequence chunks.
+"""Tensor-parallel overlap (paper §3.2, Fig. 3): the sequence all-gather fused into the column-parallel
+GEMMs and the reduce-scatter into the row-parallel GEMM, pipelined over sequence chunks, in the MLP and
+around attention.
 
 With sequence parallelism an MLP all-gathers its input's sequence shards, runs w1 / w3 (column-parallel),
 the activation and w2 (row-parallel), and reduce-scatters the partial sums back to sequence shards; done
@@ -10,8 +11,14 @@ reduce-scatter are exposed. The backward does the same with the roles swapped (t
 then the input gradient's reduce-scatter). Rows of a gathered chunk stay in rank-major order from the
 all-gather to the reduce-scatter, which hands each rank back exactly its own positions.
 
+Attention needs the whole sequence between its projections, so there the chunks meet twice: the q/k/v
+projections of chunk i-1 are computed while chunk i's all-gather is in flight (the gathered chunks are then
+put back in sequence order for the attention), and the output projection of chunk i while chunk i-1's
+reduce-scatter is; the backward swaps the roles as in the MLP.
+
 DTensor's `ColwiseParallel` / `RowwiseParallel` still shard the weights (and FSDP shards them further);
-this module only replaces the MLP module's forward with one autograd function over the local shards.
+this module only replaces the MLP's and the attention's forward with autograd functions over the local
+shards.
 torch's own fused "async TP" needs CUDA symmetric memory; here the collectives are gloo's (or NCCL's)
 asynchronous ones, and on an accelerator they would run on the communication stream (untested: no GPU).
 """
@@ -95,6 +102,88 @@ class _ChunkedMLP(torch.autograd.Function):
         return d_local, None, None, None, grads["w1"], grads["w3"], grads["w2"]
 
 
+def _in_sequence(chunk_rows: list[torch.Tensor], ranks: int) -> torch.Tensor:
+    """Gathered chunks [ranks * b, c_i, n] (rank-major; rank r's own positions of chunk i) -> [b, s, n]: the
+    sequence in order (rank 0's shard, chunk by chunk, then rank 1's, ...)."""
+    blocks = [rows.chunk(ranks, dim=0) for rows in chunk_rows]
+    return torch.cat([blocks[chunk][rank] for rank in range(ranks) for chunk in range(len(blocks))], dim=1)
+
+
+def _in_chunk_rows(sequence: torch.Tensor, ranks: int, sizes: list[int]) -> list[torch.Tensor]:
+    """The inverse of `_in_sequence`: [b, s, n] -> per chunk i, [ranks * b, sizes[i], n]."""
+    pieces = sequence.split(sizes * ranks, dim=1)
+    chunks = len(sizes)
+    return [torch.cat([pieces[rank * chunks + i] for rank in range(ranks)], dim=0) for i in range(chunks)]
+
+
+class _GatherProject(torch.autograd.Function):
+    """local [b, s/tp, d] -> per weight, [b, s, out]: the sequence all-gathered chunk by chunk, each chunk
+    projected by the column-parallel weights while the next one arrives."""
+
+    @staticmethod
+    def forward(ctx: Any, local, group, chunks, *weights):
+        ctx.group, ctx.autocast = group, _autocast_state(local.device.type)
+        pieces = local.chunk(chunks, dim=1)
+        ctx.sizes = [piece.shape[1] for piece in pieces]
+        gathers = [all_gather_rows(piece, group) for piece in pieces]  # all in flight
+        projected, saved = [[] for _ in weights], []
+        for full, work in gathers:
+            work.wait()
+            for outputs, weight in zip(projected, weights):
+                outputs.append(full @ weight.T)
+            saved.append(full)
+        ctx.save_for_backward(*weights, *saved)
+        ctx.weights = len(weights)
+        ranks = dist.get_world_size(group)
+        return tuple(_in_sequence(outputs, ranks) for outputs in projected)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        weights, saved = ctx.saved_tensors[: ctx.weights], ctx.saved_tensors[ctx.weights :]
+        ranks = dist.get_world_size(ctx.group)
+        grad_rows = [_in_chunk_rows(grad, ranks, ctx.sizes) for grad in grads]
+        weight_grads = [torch.zeros_like(weight) for weight in weights]
+        reduces = []
+        with torch.autocast(**ctx.autocast):
+            for index, full in enumerate(saved):
+                d_full = None
+                for weight, weight_grad, rows in zip(weights, weight_grads, grad_rows):
+                    weight_grad += _outer(rows[index], full)
+                    d_full = rows[index] @ weight if d_full is None else d_full + rows[index] @ weight
+                reduces.append(reduce_scatter_rows(d_full, ctx.group))  # while the next chunk computes
+            d_local = torch.cat(_finished(reduces), dim=1)
+        return d_local, None, None, *weight_grads
+
+
+class _ProjectScatter(torch.autograd.Function):
+    """[b, s, in] (whole sequence, this rank's heads) -> local [b, s/tp, d]: each chunk projected by the
+    row-parallel weight and its partial sums reduce-scattered while the next chunk is projected."""
+
+    @staticmethod
+    def forward(ctx: Any, sequence, group, chunks, weight):
+        ctx.group, ctx.autocast = group, _autocast_state(sequence.device.type)
+        ranks = dist.get_world_size(group)
+        ctx.sizes = [
+            piece.shape[1] for piece in sequence[:, : sequence.shape[1] // ranks].chunk(chunks, dim=1)
+        ]
+        rows = _in_chunk_rows(sequence, ranks, ctx.sizes)
+        reduces = [reduce_scatter_rows(chunk @ weight.T, group) for chunk in rows]
+        ctx.save_for_backward(weight, *rows)
+        return torch.cat(_finished(reduces), dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad_local: torch.Tensor):
+        weight, *rows = ctx.saved_tensors
+        gathers = [all_gather_rows(piece, ctx.group) for piece in grad_local.chunk(len(rows), dim=1)]
+        weight_grad, d_rows = torch.zeros_like(weight), []
+        with torch.autocast(**ctx.autocast):
+            for chunk, (grad_rows, work) in zip(rows, gathers):
+                work.wait()
+                weight_grad += _outer(grad_rows, chunk)
+                d_rows.append(grad_rows @ weight)
+        return _in_sequence(d_rows, dist.get_world_size(ctx.group)), None, None, weight_grad
+
+
 def _outer(grad: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight gradient [out, in] from output gradients and inputs [..., out] / [..., in]."""
     return grad.flatten(0, -2).T @ inputs.flatten(0, -2)
@@ -127,6 +216,31 @@ def _chunked_forward(module: nn.Module, group: ProcessGroup, chunks: int, x: tor
         _local(w3),
         _local(module.w2.weight),
     )
+
+
+def _chunked_attention_forward(
+    module: nn.Module, group: ProcessGroup, chunks: int, x: torch.Tensor, *args: Any
+) -> torch.Tensor:
+    """An attention module's forward (`wo(mix(wq x, wk x, wv x, ...))`) on the residual stream's sequence
+    shard, its projections chunked around the sequence's gather and scatter; the local output shard."""
+    weights = [_local(getattr(module, name).weight) for name in ("wq", "wk", "wv")]
+    q, k, v = _GatherProject.apply(_local(x), group, chunks, *weights)
+    return _ProjectScatter.apply(module.mix(q, k, v, *args), group, chunks, _local(module.wo.weight))
+
+
+class ChunkedSequenceParallelAttention(ParallelStyle):
+    """For a "projected_mixer" module under sequence parallelism: its forward, chunked and overlapped. The
+    weights are sharded by the colwise / rowwise styles of its projections, which have no bias."""
+
+    def __init__(self, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module.forward = functools.partial(
+            _chunked_attention_forward, module, device_mesh.get_group(), self.chunks
+        )
+        return module
 
 
 class ChunkedSequenceParallelMLP(ParallelStyle):

@@ -207,7 +207,7 @@ def _measure_gloo() -> dict[str, float]:
             block_plan=plan.BLOCK_PLAN,
             top_level_plan=plan.TOP_LEVEL_PLAN,
             sequence_parallel=True,
-            mlp_chunks=overlap.tp_chunks if overlap.tp else None,
+            overlap_chunks=overlap.tp_chunks if overlap.tp else None,
         )
 
     # Both ranks run the same rounds in step, so they take the quietest round alike.

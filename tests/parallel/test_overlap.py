@@ -13,9 +13,9 @@ from tests.parallel.multiprocess import run_ranks
 from tests.parallel.test_trainer_parity import job_args
 
 STEPS = 10
-# Per rank, 4 blocks x 2 chunks x 2 micro-batches: 16 all-gathers per forward and 16 per backward over 10
-# steps, and 16 more in the one validation (2 micro-batches, forward only).
-MLP_GATHERS = STEPS * 32 + 16
+# Per rank, 4 blocks x 2 chunks x 2 micro-batches, in the MLP and around attention: 32 all-gathers per
+# forward and 32 per backward over 10 steps, and 32 more in the one validation (2 micro-batches, forward).
+TP_GATHERS = STEPS * 64 + 32
 # Two micro-batches per rank and step, gradients reduce-scattered once, at the second.
 ZERO1_ACCUMULATING = ["--parallel.zero_stage=1", "--training.micro_batch_size=1"]
 ZERO2_ACCUMULATING = ["--parallel.zero_stage=2", "--training.micro_batch_size=1"]  # reduced at each
@@ -41,7 +41,7 @@ def train_both_ways(rank, world_size, corpus, data_dir, run_root, layout, switch
             result[value] = [r["loss"] for r in read_metrics(run_dir)]
         result.setdefault("mixed", {})[value] = any("send" in ops and "recv" in ops for ops in p2p)
         waits = [e["name"] for e in events if e["ph"] == "X" and e["name"].startswith("wait ")]
-        result.setdefault("mlp_gathers_waited", {})[value] = waits.count("wait all_gather_into_tensor")
+        result.setdefault("tp_gathers_waited", {})[value] = waits.count("wait all_gather_into_tensor")
         # A blocking collective's time on the wait track bears its own name; an asynchronous one's "wait ...".
         on_wait_track = [
             e["name"]
@@ -82,10 +82,10 @@ def test_an_overlap_changes_no_loss(name, world_size, layout, switch, tiny_corpu
     assert len(on) == len(off) == STEPS
     if switch == "parallel.overlap.tp":  # GEMMs over sequence chunks: the same sums, blocked differently
         assert delta <= 1e-6
-        # MLP all-gathers issued ahead and waited on; without the overlap DTensor's blocking ones instead.
-        print("MLP all-gathers waited on per rank:", [r["mlp_gathers_waited"]["true"] for r in results])
-        assert all(r["mlp_gathers_waited"]["true"] == MLP_GATHERS for r in results)
-        assert all(r["mlp_gathers_waited"]["false"] == 0 for r in results)
+        # All-gathers issued ahead and waited on; without the overlap DTensor's blocking ones instead.
+        print("TP all-gathers waited on per rank:", [r["tp_gathers_waited"]["true"] for r in results])
+        assert all(r["tp_gathers_waited"]["true"] == TP_GATHERS for r in results)
+        assert all(r["tp_gathers_waited"]["false"] == 0 for r in results)
     else:
         assert on == off  # bit for bit: the same reductions in the same order
     if switch == "parallel.overlap.dp":

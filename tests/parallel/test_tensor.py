@@ -23,10 +23,12 @@ CASES = [
     dict(
         block="serial", window=None, sequence_parallel=True, position="learned", norm="layernorm", mlp="gelu"
     ),
-    # The MLP overlap (parallel.overlap.tp): the sequence in chunks, uneven ones too (16 rows in 3).
-    dict(block="serial", window=None, sequence_parallel=True, mlp_chunks=3),
-    dict(block="parallel", window=None, sequence_parallel=True, mlp_chunks=2),
-    dict(block="serial", window=None, sequence_parallel=True, mlp="gelu", mlp_chunks=2),
+    # The TP overlap (parallel.overlap.tp): the sequence in chunks, uneven ones too (16 rows in 3).
+    dict(block="serial", window=None, sequence_parallel=True, overlap_chunks=3),
+    dict(block="parallel", window=None, sequence_parallel=True, overlap_chunks=2),
+    dict(block="serial", window=None, sequence_parallel=True, mlp="gelu", overlap_chunks=2),
+    dict(block="serial", window=8, sequence_parallel=True, overlap_chunks=3),  # and the attention's
+    dict(block="serial", window=None, sequence_parallel=True, position="learned", overlap_chunks=2),
 ]
 
 
@@ -47,7 +49,7 @@ def _max_errors(rank, world_size):
             block_plan=plan.BLOCK_PLAN,
             top_level_plan=plan.TOP_LEVEL_PLAN,
             sequence_parallel=case["sequence_parallel"],
-            mlp_chunks=case.get("mlp_chunks"),
+            overlap_chunks=case.get("overlap_chunks"),
         )
         tokens = torch.randint(0, 96, (3, 33), generator=torch.Generator().manual_seed(1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
