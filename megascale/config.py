@@ -163,7 +163,7 @@ class OptimConfig:
 class TrainingConfig:
     """The training loop: steps, batch, precision, device and logging cadence."""
 
-    steps: int = option(360, "Optimizer steps to train for.", ge=1)
+    steps: int = option(240, "Optimizer steps to train for.", ge=1)
     global_batch_size: int = option(16, "Sequences per optimizer step.", ge=1)
     micro_batch_size: int = option(
         16,

@@ -25,5 +25,5 @@ def test_default_training_reaches_target_loss(tmp_path):
     records = read_metrics(tmp_path / "runs" / "default")
     val_losses = [r["val_loss"] for r in records if "val_loss" in r]
     print(f"default run: {wall_s:.0f} s wall, validation losses {val_losses}")
-    assert records[-1]["step"] == 360
+    assert records[-1]["step"] == 240
     assert val_losses[-1] < 2.0
