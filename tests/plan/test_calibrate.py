@@ -58,12 +58,6 @@ def run_megascale(argv, cwd, timeout_s):
     return result.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 8 open: with the hypervisor's steal low on both sides, tp2 x pp2 is still under-predicted "
-    "by 17-35% in some runs (docs/planning.md, 'The hypervisor's steal time'); the figures are printed",
-)
 def timed_run(args, nproc, run_dir, tmp_path):
     """One run of a layout: the median step time after warm-up, its fastest step, and the share of the
     machine's CPU time the hypervisor took meanwhile."""
