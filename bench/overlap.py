@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.netem, run as a script
 
 from bench.netem import EmulatedNodes, Link  # noqa: E402
+from megascale.config import OverlapConfig  # noqa: E402
 from megascale.observe.cpu_load import CpuSampler  # noqa: E402
 from megascale.observe.metrics import read_metrics  # noqa: E402
 from megascale.resilience.executor import free_port  # noqa: E402
@@ -157,6 +158,13 @@ def main() -> int:
         "models leave more computation to hide the transfers behind.",
     )
     parser.add_argument(
+        "--tp-chunks",
+        type=int,
+        default=OverlapConfig().tp_chunks,
+        help="parallel.overlap.tp_chunks: sequence chunks a tensor-parallel GEMM is split into when "
+        "overlap.tp is on; only the first chunk's all-gather and the last one's reduce-scatter stay exposed.",
+    )
+    parser.add_argument(
         "--zero-stage",
         type=int,
         default=1,
@@ -197,6 +205,7 @@ def main() -> int:
         f"--training.global_batch_size={4 * args.micro_batch_size}",
         f"--parallel.zero_stage={args.zero_stage}",
         f"--model.dim={args.dim}",
+        f"--parallel.overlap.tp_chunks={args.tp_chunks}",
     ]
     figures: dict[str, float] = {}
     try:

@@ -276,7 +276,7 @@ class OverlapConfig:
         "and reduce-scatter are pipelined with their projection GEMMs over tp_chunks chunks of the "
         "sequence, forward and backward.",
     )
-    tp_chunks: int = option(2, "Sequence chunks of the tensor-parallel overlap.", ge=2)
+    tp_chunks: int = option(4, "Sequence chunks of the tensor-parallel overlap.", ge=2)
     pp: bool = option(
         True,
         "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "

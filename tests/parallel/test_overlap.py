@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megascale.config import load_config
+from megascale.config import OverlapConfig, load_config
 from megascale.observe.metrics import read_metrics
 from megascale.observe.timeline import read_trace
 from megascale.trainer import Trainer
@@ -13,9 +13,10 @@ from tests.parallel.multiprocess import run_ranks
 from tests.parallel.test_trainer_parity import job_args
 
 STEPS = 10
-# Per rank, 4 blocks x 2 chunks x 2 micro-batches, in the MLP and around attention: 32 all-gathers per
-# forward and 32 per backward over 10 steps, and 32 more in the one validation (2 micro-batches, forward).
-TP_GATHERS = STEPS * 64 + 32
+# Per rank, 4 blocks x tp_chunks chunks x 2 micro-batches, in the MLP and around attention: as many
+# all-gathers per forward as per backward over 10 steps, and a forward's more in the one validation.
+TP_GATHERS_PER_PASS = 4 * OverlapConfig().tp_chunks * 2 * 2
+TP_GATHERS = STEPS * 2 * TP_GATHERS_PER_PASS + TP_GATHERS_PER_PASS
 # Two micro-batches per rank and step, gradients reduce-scattered once, at the second.
 ZERO1_ACCUMULATING = ["--parallel.zero_stage=1", "--training.micro_batch_size=1"]
 ZERO2_ACCUMULATING = ["--parallel.zero_stage=2", "--training.micro_batch_size=1"]  # reduced at each
