@@ -31,7 +31,6 @@ Prints one `name value` line per figure and writes them, with the machine, as JS
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing
 import os
@@ -42,16 +41,18 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megascale.parallel.dims import ParallelDims
 from megascale.resilience.redis_store import local_redis_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record, run as a script
+from bench.record import save_record  # noqa: E402
 
 TIMEOUT_S = 300.0
 # TCPStore's server looks up the name of every client that connects, in its one thread; where the resolver
@@ -464,30 +465,17 @@ def main() -> int:
         for name, value in found.items():
             print(f"{name} {value}", flush=True)
         figures.update(found)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "figures": figures,
-                "setup": {
-                    "layouts_dp_tp_pp": {str(world): LAYOUTS[world] for world in process_counts},
-                    "process_counts": process_counts,
-                    "client_counts": client_counts,
-                    "repeats": repeats,
-                    "redis_store": redis_store_class(),
-                    **vars(args),
-                },
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": sys.version.split()[0],
-                    "torch": torch.__version__,
-                },
-                "when": datetime.now(UTC).isoformat(timespec="seconds"),
-            },
-            indent=2,
-            default=str,
-        )
-        + "\n"
+    save_record(
+        args.out,
+        figures,
+        {
+            "layouts_dp_tp_pp": {str(world): LAYOUTS[world] for world in process_counts},
+            "process_counts": process_counts,
+            "client_counts": client_counts,
+            "repeats": repeats,
+            "redis_store": redis_store_class(),
+            **vars(args),
+        },
     )
     return 0
 

@@ -34,12 +34,14 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
 from megascale.resilience.executor import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record, run as a script
+from bench.record import save_record  # noqa: E402
 
 MODEL = [
     "--model.dim=128",
@@ -162,20 +164,8 @@ def main() -> int:
         figures[f"gc_{mode}_step_time_p99_s"] = round(steps[int(0.99 * (len(steps) - 1))], 5)
     for name, value in figures.items():
         print(f"{name} {value}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "figures": figures,
-                "setup": {"processes": 2, "layout": "dp_shard 2 (FSDP)", "model": MODEL, **vars(args)},
-                "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-                "when": datetime.now(UTC).isoformat(timespec="seconds"),
-            },
-            indent=2,
-            default=str,
-        )
-        + "\n"
-    )
+    setup = {"processes": 2, "layout": "dp_shard 2 (FSDP)", "model": MODEL, **vars(args)}
+    save_record(args.out, figures, setup)
     return 0
 
 

@@ -40,6 +40,7 @@ COMPUTE = ("forward", "backward", "clip", "optimizer")
 
 class _Span:
     __slots__ = ("timeline", "name", "track", "args", "start", "cpu_start")
+    counts_cpu_time = True  # on CPU the compute phases' CPU time is what ranks are compared by
 
     def __init__(self, timeline: Timeline, name: str, track: str, args: dict[str, Any]):
         self.timeline, self.name, self.track, self.args = timeline, name, track, args
@@ -49,7 +50,8 @@ class _Span:
             self.timeline.phase = self.name
             if self.name in COMPUTE:
                 self.timeline.computing += 1
-                self.cpu_start = time.thread_time()
+                if self.counts_cpu_time:
+                    self.cpu_start = time.thread_time()
         self.start = time.perf_counter_ns()
         return self
 
@@ -59,7 +61,8 @@ class _Span:
             self.timeline.phase = None
             if self.name in COMPUTE:
                 self.timeline.computing -= 1
-                self.timeline.step.compute_cpu += time.thread_time() - self.cpu_start
+                if self.counts_cpu_time:
+                    self.timeline.step.compute_cpu += time.thread_time() - self.cpu_start
         self.timeline.add(self.name, self.track, self.start, end, self.args)
 
 
@@ -67,6 +70,7 @@ class _DeviceSpan(_Span):
     """On an accelerator: device events around the span's work, read by the flush thread (untested)."""
 
     __slots__ = ("events",)
+    counts_cpu_time = False  # the device's time is
 
     def __enter__(self) -> _DeviceSpan:
         self.events = (torch.Event(enable_timing=True), torch.Event(enable_timing=True))
@@ -127,10 +131,10 @@ class Timeline:
         flush_every_s: float = 1.0,
     ):
         self.enabled = directory is not None
-        on_cpu = device is None or device.type == "cpu"
-        self._span_class = _Span if on_cpu else _DeviceSpan
+        self.on_cpu = device is None or device.type == "cpu"
+        self._span_class = _Span if self.on_cpu else _DeviceSpan
         # What a rank's compute is timed by when ranks are compared (stragglers; a slow rank's stretch).
-        self.compute_clock = time.thread_time if on_cpu else time.perf_counter
+        self.compute_clock = time.thread_time if self.on_cpu else time.perf_counter
         self.rank, self.coords = rank, coords
         self.thread = threading.get_ident()  # the training thread: its waits are the step's
         self.computing = 0  # compute spans open on the training thread
@@ -203,7 +207,7 @@ class Timeline:
         time the CPU spent on someone else, and that alone put an unslowed rank 1.35x above its peers'
         median over 20 steps (4 ranks on 2 cores). With intra-op threads it is the training thread's
         share, which grows and shrinks with the rank's compute. On an accelerator: wall time less waits."""
-        return self.step.compute_cpu if self.compute_clock is time.thread_time else self.step.compute_s
+        return self.step.compute_cpu if self.on_cpu else self.step.compute_s
 
     def begin_step(self) -> None:
         self.step = StepTimes()

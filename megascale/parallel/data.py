@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # no public name in torch 2.13
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin  # nor here
 
 
 def apply_fsdp(
@@ -110,14 +111,11 @@ class GradientReductions:
             work.wait()
 
 
-class _AsyncReduceScatter(ReduceScatter):
+class _AsyncReduceScatter(DefaultAllocMixin, ReduceScatter):
     """One FSDP unit's reduce-scatter, issued asynchronously unless FSDP2 is about to read its output."""
 
     def __init__(self, params: list[nn.Parameter], reductions: GradientReductions):
         self.params, self.reductions = params, reductions
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
