@@ -10,33 +10,37 @@ with each one alone on, and with all on; the figures are the medians over the st
 0's step time and exposed communication (the timeline's `comm_exposed_s`: time the training thread waited
 for collectives). Without root the ranks run on plain loopback, and the output says so.
 
-Four ranks share two cores, so in the 3-D layouts a rank also waits in a collective for a peer that is
-descheduled or still computing, and for gloo's own CPU work: time that is there on an unlimited network
-too, and that no overlap can hide; the two-rank layouts measure each overlap without it. Every
-configuration also runs a second time right after, in the same namespaces without limits
-(`--no-unlimited` skips it), and the difference is what the emulated links cost: `network_exposed_s`
-(exposed communication) and `network_step_s` (step time), each all on over all off as well.
+Four ranks share two cores in the 3-D layouts. Left to Linux's scheduler, a rank waiting in a collective
+lends its core to another rank, and waits in turn for a peer descheduled for someone else's time slice:
+waits that are there on an unlimited network too and that no overlap hides. So by default each rank of a
+layout with more ranks than cores gets a fixed share of them, cores/ranks of a core (a CFS bandwidth
+cgroup of its own, bench/cpushare.py; `--no-cpu-shares` turns it off): an emulated device per rank, slower
+than a core and idle while its rank waits, as a GPU is. The two-rank layouts have a core per rank. With
+`--unlimited` every configuration also runs a second time right after, in the same namespaces without
+limits, and the difference is what the emulated links cost: `network_exposed_s` (exposed communication)
+and `network_step_s` (step time), each all on over all off as well.
 
 Prints one `name value` line per figure and writes them as JSON.
 
-    sudo python bench/overlap.py --out bench/results/overlap.json
+    sudo python bench/overlap.py --out bench/results/overlap.json   # about 25 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.netem, run as a script
 
+from bench import cpushare  # noqa: E402
+from bench.cpushare import CpuShares  # noqa: E402
 from bench.netem import EmulatedNodes, Link  # noqa: E402
+from bench.record import save_record  # noqa: E402
 from megascale.config import OverlapConfig  # noqa: E402
 from megascale.observe.cpu_load import CpuSampler  # noqa: E402
 from megascale.observe.metrics import read_metrics  # noqa: E402
@@ -96,8 +100,10 @@ def run_job(
     args: list[str],
     timeout_s: float,
     node_of_rank: tuple[int, ...] = (0, 0, 1, 1),
+    shares: CpuShares | None = None,
 ) -> list[dict]:
-    """One process per rank, on the node `node_of_rank` gives it; rank 0's metrics."""
+    """One process per rank, on the node `node_of_rank` gives it (in its CPU share, if any); rank 0's
+    metrics."""
     port = free_port("127.0.0.1")
     master = nodes.addresses[0] if nodes else "127.0.0.1"
     procs = []
@@ -122,6 +128,8 @@ def run_job(
             procs.append(
                 subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             )
+        if shares is not None:
+            shares.add(rank, procs[-1].pid)
     try:
         for proc in procs:
             _, stderr = proc.communicate(timeout=timeout_s)
@@ -137,7 +145,7 @@ def run_job(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="Steps per run; the first 3 are warm-up.")
+    parser.add_argument("--steps", type=int, default=8, help="Steps per run; the first 3 are warm-up.")
     parser.add_argument("--inside", default="1gbit:0.2", help="Link inside a node, RATE:DELAY_MS.")
     parser.add_argument("--between", default="200mbit:0.5", help="Link between the nodes, RATE:DELAY_MS.")
     parser.add_argument(
@@ -146,14 +154,14 @@ def main() -> int:
     parser.add_argument(
         "--micro-batch-size",
         type=int,
-        default=2,
+        default=8,
         help="Sequences per micro-batch (the global batch is four of them): more computation against the "
         "same communication, since data-parallel traffic depends on the parameters, not on the tokens.",
     )
     parser.add_argument(
         "--dim",
         type=int,
-        default=256,
+        default=512,
         help="Model width: a tensor-parallel GEMM does dim/tp FLOP per byte its collectives move, so wider "
         "models leave more computation to hide the transfers behind.",
     )
@@ -174,10 +182,19 @@ def main() -> int:
         "megascale's default, which reduce-scatters every micro-batch.",
     )
     parser.add_argument(
-        "--no-unlimited",
-        dest="unlimited",
+        "--unlimited",
+        action="store_true",
+        help="Run each configuration a second time on the same namespaces without link limits (twice as "
+        "long), to tell the links' cost from the rest of the waits.",
+    )
+    parser.add_argument(
+        "--no-cpu-shares",
+        dest="cpu_shares",
         action="store_false",
-        help="Skip the second run of each configuration on the same namespaces without link limits.",
+        help="Let the ranks of a layout with more ranks than cores share the cores as Linux schedules them. "
+        "By default each is capped at cores/ranks of a core (a cgroup of its own, bench/cpushare.py): a "
+        "slower device per rank that idles while its rank waits, as a GPU does, instead of lending its core "
+        "to another rank.",
     )
     parser.add_argument("--timeout", type=float, default=900, help="Seconds a run may take before it fails.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overlap.json"), help="JSON output.")
@@ -208,10 +225,23 @@ def main() -> int:
         f"--parallel.overlap.tp_chunks={args.tp_chunks}",
     ]
     figures: dict[str, float] = {}
+    cores = len(os.sched_getaffinity(0))
+    cpu_shares: dict[str, str] = {}  # layout -> its ranks' shares, as set up
+    created: list[CpuShares] = []
+    if args.cpu_shares and (why := cpushare.available()):
+        print(f"# no CPU shares ({why}); ranks share the cores as Linux schedules them", flush=True)
+        args.cpu_shares = False
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for layout in args.layouts:
                 flags, switches, node_of_rank = LAYOUTS[layout]
+                shares = None
+                if args.cpu_shares and len(node_of_rank) > cores:
+                    shares = CpuShares(f"{os.getpid()}{layout}", len(node_of_rank), cores)
+                    created.append(shares)
+                    shares.create()
+                    print(f"# {layout}: {shares.describe()}", flush=True)
+                    cpu_shares[layout] = shares.describe()
                 for config, overlaps in configurations(switches).items():
                     job = [*MODEL, *batch, *flags, f"--training.steps={args.steps}"]
                     job += [f"--parallel.overlap.{key}={str(on).lower()}" for key, on in overlaps.items()]
@@ -219,7 +249,9 @@ def main() -> int:
                     for suffix, network_nodes in runs.items():
                         run_dir = Path(tmp) / f"{layout}-{config}{suffix}"
                         with CpuSampler() as sampler:
-                            records = run_job(network_nodes, run_dir, job, args.timeout, node_of_rank)[3:]
+                            records = run_job(
+                                network_nodes, run_dir, job, args.timeout, node_of_rank, shares
+                            )[3:]
                         # bubble_s: waits for pipeline sends and receives, where the pipeline's traffic shows.
                         for key in ("step_time_s", "comm_exposed_s", "bubble_s"):
                             value = statistics.median(record[key] for record in records)
@@ -247,21 +279,20 @@ def main() -> int:
                     figures[f"{layout}_all_over_off_{key}"] = round(ratio, 4)
                     print(f"{layout}_all_over_off_{key} {ratio:.4f}", flush=True)
     finally:
-        for emulated in (nodes, free):
+        for emulated in (nodes, free):  # first: it kills what is left of the ranks
             if emulated is not None:
                 emulated.remove()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        for shares in created:
+            shares.remove()
     setup = {
         "network": network,
         "unlimited_runs": free is not None,
+        "cpu_shares": cpu_shares,
         "model": [*MODEL, *batch],
         "steps": args.steps,
         "layouts": LAYOUTS,
     }
-    machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
-    when = datetime.now(UTC).isoformat(timespec="seconds")
-    record = {"figures": figures, "setup": setup, "machine": machine, "when": when}
-    args.out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    save_record(args.out, figures, setup)
     return 0
 
 
