@@ -226,8 +226,7 @@ def main() -> int:
     ]
     figures: dict[str, float] = {}
     cores = len(os.sched_getaffinity(0))
-    cpu_shares: dict[str, str] = {}  # layout -> its ranks' shares, as set up
-    created: list[CpuShares] = []
+    created: dict[str, CpuShares] = {}  # layout -> its ranks' shares
     if args.cpu_shares and (why := cpushare.available()):
         print(f"# no CPU shares ({why}); ranks share the cores as Linux schedules them", flush=True)
         args.cpu_shares = False
@@ -238,10 +237,9 @@ def main() -> int:
                 shares = None
                 if args.cpu_shares and len(node_of_rank) > cores:
                     shares = CpuShares(f"{os.getpid()}{layout}", len(node_of_rank), cores)
-                    created.append(shares)
+                    created[layout] = shares
                     shares.create()
                     print(f"# {layout}: {shares.describe()}", flush=True)
-                    cpu_shares[layout] = shares.describe()
                 for config, overlaps in configurations(switches).items():
                     job = [*MODEL, *batch, *flags, f"--training.steps={args.steps}"]
                     job += [f"--parallel.overlap.{key}={str(on).lower()}" for key, on in overlaps.items()]
@@ -282,12 +280,12 @@ def main() -> int:
         for emulated in (nodes, free):  # first: it kills what is left of the ranks
             if emulated is not None:
                 emulated.remove()
-        for shares in created:
+        for shares in created.values():
             shares.remove()
     setup = {
         "network": network,
         "unlimited_runs": free is not None,
-        "cpu_shares": cpu_shares,
+        "cpu_shares": {layout: shares.describe() for layout, shares in created.items()},
         "model": [*MODEL, *batch],
         "steps": args.steps,
         "layouts": LAYOUTS,
