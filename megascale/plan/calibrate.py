@@ -8,8 +8,7 @@ weights it costs as much as several blocks' forward), what tensor parallelism's 
 hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 15-30 s
 (most of it two fresh interpreters importing torch for the gloo measurements) and is cached next to the
 peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
-loop sees them, each taken from the quietest of three rounds (the two ranks of a two-process probe run
-their rounds in step). On a machine shared with other work they still move with that work, and so do the
+loop sees them. On a machine shared with other work they still move with that work, and so do the
 predictions made from them; on a virtual machine, with the time its hypervisor gives to other guests
 (steal time, observe/cpu_load.py), so a calibration that lost more than 5% of the time to it is made
 again, up to three times, and the least disturbed one is kept and its `steal_fraction` reported.
@@ -76,20 +75,31 @@ def cache_key(threads: int) -> str:
     return f"{cpu_model()}|threads={threads}|torch={torch.__version__}"
 
 
-def typical_seconds(fn: Callable[[], object], repeats: int, rounds: int = 3) -> float:
-    """The time of one call as a loop that calls it over and over sees it: the median of `repeats` timed
-    calls (after a warm-up), in the quietest of `rounds` rounds, so that a burst of other work on a shared
-    machine during one round does not count as this machine's speed."""
-    fn()
-    medians = []
-    for _ in range(rounds):
-        times = []
-        for _ in range(repeats):
+def typical_seconds(fn: Callable[[], object], calls: int) -> float:
+    """The time of one call as a loop that calls it over and over sees it (`typical_seconds_each`)."""
+    return typical_seconds_each([fn], calls)[0]
+
+
+def typical_seconds_each(fns: list[Callable[[], object]], calls: int) -> list[float]:
+    """Each function's typical call: the median of `calls` timed calls, after a warm-up, the functions
+    taking turns so that a slow or fast spell of the machine falls on all of them alike (the probes'
+    per-block slopes are differences between them). A burst of other work that slows fewer than half of
+    the calls does not move a median.
+
+    Not the fastest calls: two processes that wake each other through gloo for every collective spread
+    their call times over 2x (tenth to ninetieth percentile) on a quiet machine, and the training loop
+    runs at their typical pace. The profile used to take the median of the quietest of three rounds, one
+    function after the other, and predicted tp2 x pp2 2-22% short where the median of all calls was 0-2%
+    short (docs/planning.md)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, taken in zip(fns, times):
             started = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - started)
-        medians.append(statistics.median(times))
-    return min(medians)
+            taken.append(time.perf_counter() - started)
+    return [statistics.median(taken) for taken in times]
 
 
 def _probe_model(layers: int) -> ModelConfig:
@@ -128,20 +138,21 @@ def _update(model: torch.nn.Module) -> Callable[[], None]:
 
 
 def host_seconds(
-    wrap: Callable[[torch.nn.Module], None] = lambda model: None, repeats: int = 5, rounds: int = 3
+    wrap: Callable[[torch.nn.Module], None] = lambda model: None, calls: int = 15
 ) -> dict[str, float]:
     """Host seconds of a tiny model, after `wrap` (TP, FSDP) is applied, as a slope per block and what the
     rest of the model (embedding, final norm, output layer) adds: of a forward + backward ("block",
     "model") and of the step's update ("update_block", "update_model")."""
-    times = {_fwd_bwd: [], _update: []}
-    for layers in PROBE_LAYERS:
-        for probe, measured in times.items():
+    probes = []
+    for probe in (_fwd_bwd, _update):
+        for layers in PROBE_LAYERS:
             torch.manual_seed(0)
             model = Transformer(_probe_model(layers))
             wrap(model)
-            measured.append(typical_seconds(probe(model), repeats=repeats, rounds=rounds))
+            probes.append(probe(model))
+    seconds = typical_seconds_each(probes, calls)
     result = {}
-    for prefix, (shallow, deep) in zip(("", "update_"), times.values()):
+    for prefix, shallow, deep in (("", *seconds[:2]), ("update_", *seconds[2:])):
         per_block = max(0.0, (deep - shallow) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
         result[f"{prefix}block"] = per_block
         result[f"{prefix}model"] = max(0.0, shallow - per_block * PROBE_LAYERS[0])
@@ -157,10 +168,10 @@ def measure_local() -> dict[str, float]:
     def linear_forward_backward() -> None:  # a linear layer's three GEMMs, as autograd runs them
         torch.nn.functional.linear(inputs, weight).sum().backward()
 
-    small_gemm_s = typical_seconds(linear_forward_backward, repeats=50)
+    small_gemm_s = typical_seconds(linear_forward_backward, calls=150)
     big = torch.randn(1 << 23)
     other = torch.randn(1 << 23)
-    add_s = typical_seconds(lambda: torch.add(big, other), repeats=5)
+    add_s = typical_seconds(lambda: torch.add(big, other), calls=15)
     return {
         "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
         "memory_bytes_per_s": 3 * big.numel() * 4 / add_s,
@@ -206,9 +217,9 @@ def _measure_gloo() -> dict[str, float]:
 
     one, two = torch.ones(1), torch.empty(2)
     shard, full = torch.ones(PROBE_FLOATS // 2), torch.empty(PROBE_FLOATS)
-    latency_s = typical_seconds(lambda: dist.all_gather_single(two, one), repeats=10)
-    gather_s = typical_seconds(lambda: dist.all_gather_single(full, shard), repeats=3)
-    scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), repeats=3)
+    latency_s = typical_seconds(lambda: dist.all_gather_single(two, one), calls=30)
+    gather_s = typical_seconds(lambda: dist.all_gather_single(full, shard), calls=9)
+    scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), calls=9)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
 
@@ -223,12 +234,9 @@ def _measure_gloo() -> dict[str, float]:
             overlap_chunks=overlap.tp_chunks if overlap.tp else None,
         )
 
-    # Both ranks run the same rounds in step, so they take the quietest round alike.
-    tp_host = host_seconds(tensor_parallel, repeats=6, rounds=3)
+    tp_host = host_seconds(tensor_parallel, calls=36)
     fsdp_host = host_seconds(
-        lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp),
-        repeats=6,
-        rounds=3,
+        lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp), calls=36
     )
     half_bytes = PROBE_FLOATS * 4 / 2  # what a ring over 2 ranks moves per rank: (n - 1)/n of the tensor
     return {
