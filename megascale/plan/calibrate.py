@@ -179,10 +179,12 @@ def measure_local() -> dict[str, float]:
     }
 
 
-def rank_main(rank: int, init_file: str, out_file: str, threads: int) -> None:
-    """One of the two measuring ranks (run in its own interpreter by `measure_gloo`)."""
+def rank_main(rank: int, workdir: str, threads: int) -> None:
+    """One of the two measuring ranks (run in its own interpreter by `measure_gloo`): they meet through a
+    file in `workdir`, and each writes its figures there."""
     torch.set_num_threads(threads)
-    Path(out_file).write_text(json.dumps(in_two_rank_group(rank, init_file, _measure_gloo)))
+    measured = in_two_rank_group(rank, os.path.join(workdir, "init"), _measure_gloo)
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps(measured))
 
 
 def in_two_rank_group(rank: int, init_file: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -249,40 +251,41 @@ def _measure_gloo() -> dict[str, float]:
 
 
 def measure_gloo(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
-    """Two local ranks, each a fresh interpreter (a child forked from a parent that ran multi-threaded
-    kernels can hang in its first one), measure together; rank 0's figures. Both are killed by pid if they
-    outlive `timeout_s`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        out_files = [os.path.join(tmp, f"rank{rank}.json") for rank in (0, 1)]
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "import sys; from megascale.plan.calibrate import rank_main; "
-                    "rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))",
-                    str(rank),
-                    init_file,
-                    out_files[rank],
-                    str(threads),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rank in (0, 1)
-        ]
-        try:
-            errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if any(proc.returncode for proc in procs):
-            raise RuntimeError(f"calibrate: a gloo measuring rank failed:\n{''.join(errors)[-2000:]}")
-        return json.loads(Path(out_files[0]).read_text())
+    """Two local ranks measure together; rank 0's figures."""
+    with tempfile.TemporaryDirectory() as workdir:
+        run_two_ranks(
+            "import sys; from megascale.plan.calibrate import rank_main; "
+            "rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))",
+            [workdir, str(threads)],
+            timeout_s,
+        )
+        return json.loads(Path(workdir, "rank0.json").read_text())
+
+
+def run_two_ranks(code: str, args: list[str], timeout_s: float) -> None:
+    """`python -c code RANK *args` for ranks 0 and 1, each a fresh interpreter (a child forked from a
+    parent that ran multi-threaded kernels can hang in its first one). Both are killed by pid if they
+    outlive `timeout_s`; a rank that fails raises with the exit codes and what the ranks printed."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    codes = [proc.returncode for proc in procs]
+    if any(codes):
+        printed = "".join(errors)[-2000:]
+        raise RuntimeError(f"calibrate: a gloo measuring rank failed (exit codes {codes}):\n{printed}")
 
 
 def calibrate_profile(threads: int) -> dict[str, float]:

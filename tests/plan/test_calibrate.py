@@ -22,7 +22,7 @@ from megascale.cli import main
 from megascale.config import load_config
 from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times
 from megascale.observe.metrics import read_metrics
-from megascale.plan.calibrate import cache_key, cpu_profile, profile_cache
+from megascale.plan.calibrate import cache_key, cpu_profile, profile_cache, run_two_ranks
 from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config
 from megascale.plan.step import estimate_step
 
@@ -145,28 +145,9 @@ in_two_rank_group(int(sys.argv[1]), sys.argv[2], probe)
 
 
 @pytest.mark.slow
-def test_measuring_ranks_exit_cleanly(tmp_path):
+def test_measuring_ranks_exit_cleanly(tmp_path, monkeypatch):
     """A probe's ranks exit with 0 every time. Before its models were collected while the group was alive,
-    a rank aborted at exit (SIGABRT) in some runs, and this test failed 2 times in 3."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for run in range(6):
-        init_file = tmp_path / f"init{run}"
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, "-c", TP_PROBE_RANK, str(rank), str(init_file)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for rank in (0, 1)
-        ]
-        try:
-            errors = [rank.communicate(timeout=60)[1] for rank in ranks]
-        finally:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-                    rank.wait()
-        codes = [rank.returncode for rank in ranks]
-        assert codes == [0, 0], f"run {run}: exit codes {codes}\n{''.join(errors)[-1500:]}"
+    a rank aborted at exit (SIGABRT) in 6 of 32 runs of this probe: twelve clean runs had an 8% chance."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for run in range(12):
+        run_two_ranks(TP_PROBE_RANK, [str(tmp_path / f"init{run}")], timeout_s=60)
