@@ -41,6 +41,7 @@ from megascale.plan.hardware import HardwareProfile
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
 PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
+GLOO_PAIRS = 2  # pairs of fresh processes that make the two-process measurements, averaged
 # A calibration during which the hypervisor took more than QUIET_STEAL of the CPU time is made again, up to
 # ATTEMPTS times in all, and the least disturbed one kept.
 QUIET_STEAL = 0.05
@@ -168,10 +169,10 @@ def measure_local() -> dict[str, float]:
     def linear_forward_backward() -> None:  # a linear layer's three GEMMs, as autograd runs them
         torch.nn.functional.linear(inputs, weight).sum().backward()
 
-    small_gemm_s = typical_seconds(linear_forward_backward, calls=150)
+    small_gemm_s = typical_seconds(linear_forward_backward, calls=1500)
     big = torch.randn(1 << 23)
     other = torch.randn(1 << 23)
-    add_s = typical_seconds(lambda: torch.add(big, other), calls=15)
+    add_s = typical_seconds(lambda: torch.add(big, other), calls=60)
     return {
         "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
         "memory_bytes_per_s": 3 * big.numel() * 4 / add_s,
@@ -251,15 +252,20 @@ def _measure_gloo() -> dict[str, float]:
 
 
 def measure_gloo(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
-    """Two local ranks measure together; rank 0's figures."""
-    with tempfile.TemporaryDirectory() as workdir:
-        run_two_ranks(
-            "import sys; from megascale.plan.calibrate import rank_main; "
-            "rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))",
-            [workdir, str(threads)],
-            timeout_s,
-        )
-        return json.loads(Path(workdir, "rank0.json").read_text())
+    """Two local ranks measure together; rank 0's figures, averaged over `GLOO_PAIRS` pairs of fresh
+    processes one after the other (a pair's pace for the tensor-parallel probes moves by 15% and more
+    from one pair to the next)."""
+    pairs = []
+    for _ in range(GLOO_PAIRS):
+        with tempfile.TemporaryDirectory() as workdir:
+            run_two_ranks(
+                "import sys; from megascale.plan.calibrate import rank_main; "
+                "rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))",
+                [workdir, str(threads)],
+                timeout_s,
+            )
+            pairs.append(json.loads(Path(workdir, "rank0.json").read_text()))
+    return {name: statistics.fmean(pair[name] for pair in pairs) for name in pairs[0]}
 
 
 def run_two_ranks(code: str, args: list[str], timeout_s: float) -> None:

@@ -1,12 +1,12 @@
 """The CPU profile predicts megascale's own step time on this machine, for three layouts it then runs.
 
 `megascale calibrate` measures the machine; the cost model predicts each layout from those measurements
-alone; the trainer then runs it, and the median step time after warm-up is compared. On a machine shared
-with other work both sides move with that work by 30% and more, so the test does not start while other
-work keeps more than half of the machine's cores busy: it would measure the neighbours, not the model. The
-same holds for a virtual machine's other guests: a layout whose timed steps lost more than 5% of the CPU
-time to them (the hypervisor's steal time, megascale/observe/cpu_load.py) is run once more, and the quieter
-run is compared; when even that one, or the calibration, lost more than 10%, the test skips.
+alone; the trainer then runs it twice, and the median of both runs' step times after warm-up is compared.
+On a machine shared with other work both sides move with that work by 30% and more, so the test does not
+start while other work keeps more than half of the machine's cores busy: it would measure the neighbours,
+not the model. The same holds for a virtual machine's other guests: a run whose timed steps lost more than
+5% of the CPU time to them (the hypervisor's steal time, megascale/observe/cpu_load.py) is replaced by
+another, up to four runs in all; when the runs kept, or the calibration, lost more than 10%, the test skips.
 """
 
 import json
@@ -28,9 +28,12 @@ from megascale.plan.step import estimate_step
 
 TOLERANCE = 0.25
 WARM_UP_STEPS = 2
-QUIET_STEAL = 0.05  # a run whose timed steps lost more than this to the hypervisor is run again
-MAX_STEAL = 0.10  # ... ATTEMPTS runs in all; if even the quietest lost more, the test cannot judge
-ATTEMPTS = 2
+# Each layout is run RUNS times and the timed steps of all runs pooled: a run's pace depends on where the
+# scheduler puts its processes (tp2 x pp2's median step moved by 15% from one run to the next).
+RUNS = 2
+QUIET_STEAL = 0.05  # a run whose timed steps lost more than this to the hypervisor is replaced by another,
+MAX_ATTEMPTS = 4  # ... up to this many runs in all; if the runs kept still lost more than MAX_STEAL, the
+MAX_STEAL = 0.10  # test cannot judge
 SHAPE = [
     "--model.dim=128",
     "--model.n_layers=4",
@@ -58,14 +61,13 @@ def run_megascale(argv, cwd, timeout_s):
 
 
 def timed_run(args, nproc, run_dir, tmp_path):
-    """One run of a layout: the median step time after warm-up, its fastest step, and the share of the
-    machine's CPU time the hypervisor took meanwhile."""
+    """One run of a layout: its step times after warm-up, and the share of the machine's CPU time the
+    hypervisor took meanwhile."""
     with CpuSampler() as sampler:
         run_megascale(["train", "--nproc", str(nproc), *args], tmp_path, timeout_s=120)
     records = [record for record in read_metrics(run_dir) if "step_time_s" in record]
     timed = records[WARM_UP_STEPS:]
-    step_times = [record["step_time_s"] for record in timed]
-    return statistics.median(step_times), min(step_times), sampler.steal_over_steps(timed)
+    return [record["step_time_s"] for record in timed], sampler.steal_over_steps(timed)
 
 
 @pytest.mark.slow
@@ -75,7 +77,7 @@ def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, 
     busy = busy_fraction(before, cpu_times())
     if busy > 0.5:
         pytest.skip(f"machine busy: other work uses {busy:.0%} of the cores before the test starts")
-    monkeypatch.setattr("megascale.plan.calibrate.ATTEMPTS", ATTEMPTS)  # bounded, as the runs below are
+    monkeypatch.setattr("megascale.plan.calibrate.ATTEMPTS", 2)  # bounded, as the runs below are
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0  # into this test's cache
     calibration_steal = json.loads(profile_cache().read_text())[cache_key(1)]["steal_fraction"]
     if calibration_steal > MAX_STEAL:
@@ -100,24 +102,26 @@ def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, 
         predicted_s = estimate_step(
             job_from_config(cfg), layout_from_config(cfg, nproc), MEGASCALE_TRAINER, profile, Cluster(nproc)
         ).step_s
-        runs = []
-        for attempt in range(ATTEMPTS):
-            run_dir = tmp_path / f"{name.replace(' ', '')}-{attempt}"
-            runs.append(timed_run([*args, f"--training.run_dir={run_dir}"], nproc, run_dir, tmp_path))
-            if runs[-1][2] <= QUIET_STEAL:
-                break
-        measured_s, fastest_s, steal = min(runs, key=lambda run: run[2])
+        quiet, disturbed = [], []
+        while len(quiet) < RUNS and len(quiet) + len(disturbed) < MAX_ATTEMPTS:
+            run_dir = tmp_path / f"{name.replace(' ', '')}-{len(quiet) + len(disturbed)}"
+            step_times, steal = timed_run([*args, f"--training.run_dir={run_dir}"], nproc, run_dir, tmp_path)
+            (quiet if steal <= QUIET_STEAL else disturbed).append((step_times, steal))
+        kept = (quiet + sorted(disturbed, key=lambda run: run[1]))[:RUNS]
+        step_times = [seconds for run, _ in kept for seconds in run]
+        measured_s, steal = statistics.median(step_times), max(steal for _, steal in kept)
+        attempts = len(quiet) + len(disturbed)
         errors.append(
-            (name, measured_s, fastest_s, steal, len(runs), predicted_s, predicted_s / measured_s - 1)
+            (name, measured_s, min(step_times), steal, attempts, predicted_s, predicted_s / measured_s - 1)
         )
     for name, measured_s, fastest_s, steal, attempts, predicted_s, error in errors:
         print(
-            f"{name:<10} measured {measured_s:.4f} s (fastest step {fastest_s:.4f}; hypervisor steal "
-            f"{steal:.1%}, run {attempts}x)  predicted {predicted_s:.4f} s  error {100 * error:+.1f}%"
+            f"{name:<10} measured {measured_s:.4f} s (fastest step {fastest_s:.4f}; hypervisor steal up to "
+            f"{steal:.1%}; {attempts} runs)  predicted {predicted_s:.4f} s  error {100 * error:+.1f}%"
         )
     stolen = [name for name, _, _, steal, *_ in errors if steal > MAX_STEAL]
     if stolen:
-        pytest.skip(f"the hypervisor took over {MAX_STEAL:.0%} of the CPU time in every run of {stolen}")
+        pytest.skip(f"the hypervisor took over {MAX_STEAL:.0%} of the CPU time in the runs kept of {stolen}")
     assert all(abs(error) <= TOLERANCE for *_, error in errors)
 
 
