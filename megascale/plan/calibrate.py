@@ -5,9 +5,9 @@ the small sizes it can train: how fast a small GEMM runs compared with the peak,
 host's time to dispatch one block's forward and backward and the rest of the model's (eager PyTorch waits
 for every operator), the same for the step's update (gradient norm, clipping, optimizer step: with DTensor
 weights it costs as much as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's
-hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 15-30 s
-(most of it two fresh interpreters importing torch for the gloo measurements) and is cached next to the
-peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
+hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 20-40 s
+(most of it two pairs of fresh interpreters importing torch for the gloo measurements) and is cached next
+to the peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
 loop sees them. On a machine shared with other work they still move with that work, and so do the
 predictions made from them; on a virtual machine, with the time its hypervisor gives to other guests
 (steal time, observe/cpu_load.py), so a calibration that lost more than 5% of the time to it is made
