@@ -38,7 +38,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.netem, run as a script
 
 from bench import cpushare  # noqa: E402
-from bench.cpushare import CpuShares  # noqa: E402
 from bench.netem import EmulatedNodes, Link  # noqa: E402
 from bench.record import save_record  # noqa: E402
 from megascale.config import OverlapConfig  # noqa: E402
@@ -100,7 +99,7 @@ def run_job(
     args: list[str],
     timeout_s: float,
     node_of_rank: tuple[int, ...] = (0, 0, 1, 1),
-    shares: CpuShares | None = None,
+    shares: cpushare.CpuShares | None = None,
 ) -> list[dict]:
     """One process per rank, on the node `node_of_rank` gives it (in its CPU share, if any); rank 0's
     metrics."""
@@ -226,7 +225,7 @@ def main() -> int:
     ]
     figures: dict[str, float] = {}
     cores = len(os.sched_getaffinity(0))
-    created: dict[str, CpuShares] = {}  # layout -> its ranks' shares
+    created: dict[str, cpushare.CpuShares] = {}  # layout -> its ranks' shares
     if args.cpu_shares and (why := cpushare.available()):
         print(f"# no CPU shares ({why}); ranks share the cores as Linux schedules them", flush=True)
         args.cpu_shares = False
@@ -236,7 +235,7 @@ def main() -> int:
                 flags, switches, node_of_rank = LAYOUTS[layout]
                 shares = None
                 if args.cpu_shares and len(node_of_rank) > cores:
-                    shares = CpuShares(f"{os.getpid()}{layout}", len(node_of_rank), cores)
+                    shares = cpushare.CpuShares(f"{os.getpid()}{layout}", len(node_of_rank), cores)
                     created[layout] = shares
                     shares.create()
                     print(f"# {layout}: {shares.describe()}", flush=True)

@@ -27,6 +27,7 @@ import collections
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +134,6 @@ class Timeline:
         self.enabled = directory is not None
         self.on_cpu = device is None or device.type == "cpu"
         self._span_class = _Span if self.on_cpu else _DeviceSpan
-        # What a rank's compute is timed by when ranks are compared (stragglers; a slow rank's stretch).
-        self.compute_clock = time.thread_time if self.on_cpu else time.perf_counter
         self.rank, self.coords = rank, coords
         self.thread = threading.get_ident()  # the training thread: its waits are the step's
         self.computing = 0  # compute spans open on the training thread
@@ -199,6 +198,11 @@ class Timeline:
                 index = len(lanes)
                 lanes.append(end_ns)
         self.add(name, track if index == 0 else f"{track} #{index + 1}", start_ns, end_ns, args)
+
+    @property
+    def compute_clock(self) -> Callable[[], float]:
+        """What a rank's compute is timed by when ranks are compared (stragglers; a slow rank's stretch)."""
+        return time.thread_time if self.on_cpu else time.perf_counter
 
     def compute_busy_s(self) -> float:
         """This step's compute as ranks are compared for stragglers: the time the device was busy with it.
