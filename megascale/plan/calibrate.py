@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from megascale.observe.cpu_load import cpu_times, steal_fraction
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
 from megascale.optim.clip import clip_by_global_norm
 from megascale.plan.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
 PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
@@ -209,24 +213,15 @@ def in_two_rank_group(rank: int, init_file: str, measure: Callable[[], dict[str,
     return measured
 
 
-def _measure_gloo() -> dict[str, float]:
-    """Both ranks run this in step: collectives' latency and bandwidth, and TP's and FSDP's host time."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
+def tensor_parallel(mesh: DeviceMesh) -> Callable[[torch.nn.Module], None]:
+    """What the TP probes apply to a model: the trainer's tensor parallelism over `mesh`, with sequence
+    parallelism and the default overlap, as a run without flags has them."""
     from megascale.models import plan
-    from megascale.parallel.data import apply_fsdp
     from megascale.parallel.tensor import apply_tensor_parallel
 
-    one, two = torch.ones(1), torch.empty(2)
-    shard, full = torch.ones(PROBE_FLOATS // 2), torch.empty(PROBE_FLOATS)
-    latency_s = typical_seconds(lambda: dist.all_gather_single(two, one), calls=30)
-    gather_s = typical_seconds(lambda: dist.all_gather_single(full, shard), calls=9)
-    scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), calls=9)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
-    overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
+    overlap = OverlapConfig()
 
-    def tensor_parallel(model):
+    def apply(model: torch.nn.Module) -> None:
         apply_tensor_parallel(
             model,
             mesh,
@@ -237,7 +232,25 @@ def _measure_gloo() -> dict[str, float]:
             overlap_chunks=overlap.tp_chunks if overlap.tp else None,
         )
 
-    tp_host = host_seconds(tensor_parallel, calls=36)
+    return apply
+
+
+def _measure_gloo() -> dict[str, float]:
+    """Both ranks run this in step: collectives' latency and bandwidth, and TP's and FSDP's host time."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megascale.models import plan
+    from megascale.parallel.data import apply_fsdp
+
+    one, two = torch.ones(1), torch.empty(2)
+    shard, full = torch.ones(PROBE_FLOATS // 2), torch.empty(PROBE_FLOATS)
+    latency_s = typical_seconds(lambda: dist.all_gather_single(two, one), calls=30)
+    gather_s = typical_seconds(lambda: dist.all_gather_single(full, shard), calls=9)
+    scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), calls=9)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
+    tp_host = host_seconds(tensor_parallel(mesh), calls=36)
     fsdp_host = host_seconds(
         lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp), calls=36
     )

@@ -131,17 +131,10 @@ TP_PROBE_RANK = """
 import sys
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from megascale.models import plan
-from megascale.parallel.tensor import apply_tensor_parallel
-from megascale.plan.calibrate import host_seconds, in_two_rank_group
+from megascale.plan.calibrate import host_seconds, in_two_rank_group, tensor_parallel
 
 def probe():
-    mesh = init_device_mesh("cpu", (2,))
-    wrap = lambda model: apply_tensor_parallel(
-        model, mesh, blocks=plan.BLOCKS, block_plan=plan.BLOCK_PLAN, top_level_plan=plan.TOP_LEVEL_PLAN,
-        sequence_parallel=True, overlap_chunks=4,
-    )
-    return host_seconds(wrap, calls=2)
+    return host_seconds(tensor_parallel(init_device_mesh("cpu", (2,))), calls=2)
 
 torch.set_num_threads(1)
 in_two_rank_group(int(sys.argv[1]), sys.argv[2], probe)
