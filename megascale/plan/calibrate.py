@@ -16,15 +16,18 @@ again, up to three times, and the least disturbed one is kept and its `steal_fra
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +48,8 @@ if TYPE_CHECKING:
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
 PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
+MEMORY_FLOATS = 1 << 23  # memory probe: two 32 MB tensors added into a fresh third
+PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42  # Linux prctl(2) options
 GLOO_PAIRS = 2  # pairs of fresh processes that make the two-process measurements, averaged
 # A calibration during which the hypervisor took more than QUIET_STEAL of the CPU time is made again, up to
 # ATTEMPTS times in all, and the least disturbed one kept.
@@ -165,7 +170,7 @@ def host_seconds(
 
 
 def measure_local() -> dict[str, float]:
-    """Single-process measurements: small-GEMM rate, memory bandwidth, per-block host time."""
+    """Single-process measurements: small-GEMM rate, fresh-memory bandwidth, per-block host time."""
     m, k, n = SMALL_GEMM
     inputs = torch.randn(m, k, requires_grad=True)
     weight = torch.randn(n, k, requires_grad=True)
@@ -174,14 +179,49 @@ def measure_local() -> dict[str, float]:
         torch.nn.functional.linear(inputs, weight).sum().backward()
 
     small_gemm_s = typical_seconds(linear_forward_backward, calls=1500)
-    big = torch.randn(1 << 23)
-    other = torch.randn(1 << 23)
-    add_s = typical_seconds(lambda: torch.add(big, other), calls=60)
+    memory_bytes_per_s, fresh_pages = fresh_memory_bytes_per_s()
     return {
         "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
-        "memory_bytes_per_s": 3 * big.numel() * 4 / add_s,
+        "memory_bytes_per_s": memory_bytes_per_s,
+        "memory_fresh_page_fraction": fresh_pages,  # reported, not used
         **{f"{name}_host_s": seconds for name, seconds in host_seconds().items()},
     }
+
+
+def fresh_memory_bytes_per_s(calls: int = 60) -> tuple[float, float]:
+    """Bytes per second of an add whose 32 MB result is fresh memory, faulted in 4 KB pages; and the share
+    of the result's pages that each call faulted in (1.0 when it measured what it means to).
+
+    The trainer's element-wise operators allocate their results too, a few hundred KB each: on this
+    machine's test model about 2,500 page faults a step. At that rate (about 6e9 B/s on one thread, a
+    quarter of the same add into a result it already has) the model's element-wise terms come out as a
+    profile of the step has them, within a few ms. But where the kernel backs large mappings with 2 MB
+    pages (transparent huge pages "always"), a fresh 32 MB result takes 16 faults instead of 8,192: the
+    probe read 1.2e10 here, and 4.9e10 in one CI run, while the trainer's step did not change (0.044 s;
+    its results are too small for huge pages), so every layout was predicted short. The probe therefore
+    turns huge pages off for this process (prctl PR_SET_THP_DISABLE, Linux) while it runs."""
+    big, other = torch.randn(MEMORY_FLOATS), torch.randn(MEMORY_FLOATS)
+    with small_pages():
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        add_s = typical_seconds(lambda: torch.add(big, other), calls=calls)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    result_pages = MEMORY_FLOATS * 4 / resource.getpagesize()
+    return 3 * MEMORY_FLOATS * 4 / add_s, faults / ((calls + 1) * result_pages)  # + 1: the warm-up
+
+
+@contextmanager
+def small_pages() -> Iterator[None]:
+    """Transparent huge pages off for this process while inside, then as they were (nothing changes
+    where prctl has no such option: not Linux, or a kernel before 3.15)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    previous = prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) if prctl else -1
+    if previous < 0 or prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        prctl(PR_SET_THP_DISABLE, previous, 0, 0, 0)
 
 
 def rank_main(rank: int, workdir: str, threads: int) -> None:
