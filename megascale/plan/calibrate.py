@@ -1,9 +1,10 @@
 """This machine's profile for the cost model, measured by `megascale calibrate` and never guessed.
 
 Beyond the matmul peak (`megascale.observe.peak`), the planner needs what a CPU run is actually bound by at
-the small sizes it can train: how fast a small GEMM runs compared with the peak, memory bandwidth, the
-host's time to dispatch one block's forward and backward and the rest of the model's (eager PyTorch waits
-for every operator), the same for the step's update (gradient norm, clipping, optimizer step: with DTensor
+the small sizes it can train: how fast a small GEMM runs compared with the peak, the memory rate of
+element-wise work whose results are fresh memory (`fresh_memory_bytes_per_s`), the host's time to
+dispatch one block's forward and backward and the rest of the model's (eager PyTorch waits for every
+operator), the same for the step's update (gradient norm, clipping, optimizer step: with DTensor
 weights it costs as much as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's
 hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 20-40 s
 (most of it two pairs of fresh interpreters importing torch for the gloo measurements) and is cached next
