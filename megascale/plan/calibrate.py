@@ -198,9 +198,9 @@ def fresh_memory_bytes_per_s(calls: int = 60) -> tuple[float, float]:
     quarter of the same add into a result it already has) the model's element-wise terms come out as a
     profile of the step has them, within a few ms. But where the kernel backs large mappings with 2 MB
     pages (transparent huge pages "always"), a fresh 32 MB result takes 16 faults instead of 8,192: the
-    probe read 1.2e10 here, and 4.9e10 in one CI run, while the trainer's step did not change (0.044 s;
-    its results are too small for huge pages), so every layout was predicted short. The probe therefore
-    turns huge pages off for this process (prctl PR_SET_THP_DISABLE, Linux) while it runs."""
+    probe read 1.2e10 here (likely also the 4.9e10 of one CI run), while the trainer's step did not
+    change (0.044 s; its results are too small for huge pages), so every layout was predicted short. The
+    probe therefore turns huge pages off for this process (prctl PR_SET_THP_DISABLE, Linux) while it runs."""
     big, other = torch.randn(MEMORY_FLOATS), torch.randn(MEMORY_FLOATS)
     with small_pages():
         faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
