@@ -74,9 +74,8 @@ def timed_run(args, nproc, run_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
-    reason="issue 8 open: within 25% in 38 of 40 calibrate-and-run rounds of session 10, but a CI run at "
-    "76997a2 had tp2 x pp2 at -26.4% after a calibration whose memory bandwidth read 4.94e10 B/s, 8x every "
-    "other reading (docs/planning.md); the figures are printed",
+    reason="issue 8 open: the memory probe's huge-page outlier is fixed, but tp2 x pp2 ran 7-27% short in "
+    "every round of session 11 on an Intel Xeon, once past 25% (docs/planning.md); the figures are printed",
 )
 def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, tmp_path, monkeypatch):
     before = cpu_times()
