@@ -6,7 +6,10 @@ element-wise work whose results are fresh memory (`fresh_memory_bytes_per_s`), t
 dispatch one block's forward and backward and the rest of the model's (eager PyTorch waits for every
 operator), the same for the step's update (gradient norm, clipping, optimizer step: with DTensor
 weights it costs as much as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's
-hooks add to each, and gloo's latency and bandwidth between two local processes. All of it takes 20-40 s
+hooks add to each, what tensor parallelism adds per byte of activations (its block probe again at the
+size of the runs a CPU trains: its transfers and copies take the cores that compute, so they are measured
+rather than counted as bytes over a bandwidth), and gloo's latency and bandwidth between two local
+processes. All of it takes 30-50 s
 (most of it two pairs of fresh interpreters importing torch for the gloo measurements) and is cached next
 to the peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
 loop sees them. On a machine shared with other work they still move with that work, and so do the
@@ -48,6 +51,11 @@ if TYPE_CHECKING:
 
 SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
 PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
+# (hidden, sequence, batch) of the host-time probes: a tiny model, where the host is all there is, and one
+# of the size the runs a CPU trains (256 tokens of hidden 128: SMALL_GEMM's m and k), for what tensor
+# parallelism adds per byte of activations
+TINY_SHAPE = (16, 8, 1)
+SIZED_SHAPE = (SMALL_GEMM[1], 64, SMALL_GEMM[0] // 64)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
 MEMORY_FLOATS = 1 << 23  # memory probe: two 32 MB tensors added into a fresh third
 PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42  # Linux prctl(2) options
@@ -62,6 +70,8 @@ MEASURED = (
     "memory_bytes_per_s",
     "block_host_s",
     "model_host_s",
+    "sized_block_host_s",
+    "tp_sized_block_host_s",
     "update_block_host_s",
     "update_model_host_s",
     "collective_latency_s",
@@ -113,18 +123,27 @@ def typical_seconds_each(fns: list[Callable[[], object]], calls: int) -> list[fl
     return [statistics.median(taken) for taken in times]
 
 
-def _probe_model(layers: int) -> ModelConfig:
+def _probe_model(layers: int, shape: tuple[int, int, int] = TINY_SHAPE) -> ModelConfig:
+    dim, seq, _ = shape
+    heads = max(2, dim // 32)
     return ModelConfig(
-        dim=16,
+        dim=dim,
         n_layers=layers,
         vocab_size=64,
-        max_seq_len=8,
-        attention=AttentionConfig(n_heads=2, n_kv_heads=2),
+        max_seq_len=seq,
+        attention=AttentionConfig(n_heads=heads, n_kv_heads=heads),
     )
 
 
-def _fwd_bwd(model: torch.nn.Module) -> Callable[[], None]:
-    tokens = torch.randint(0, 64, (1, 8))
+def activation_bytes(shape: tuple[int, int, int]) -> int:
+    """Bytes of one block's input activations for a probe of `shape` (float32)."""
+    dim, seq, batch = shape
+    return 4 * dim * seq * batch
+
+
+def _fwd_bwd(model: torch.nn.Module, shape: tuple[int, int, int] = TINY_SHAPE) -> Callable[[], None]:
+    _, seq, batch = shape
+    tokens = torch.randint(0, 64, (batch, seq))
 
     def run() -> None:
         logits = model(tokens)
@@ -134,10 +153,10 @@ def _fwd_bwd(model: torch.nn.Module) -> Callable[[], None]:
     return run
 
 
-def _update(model: torch.nn.Module) -> Callable[[], None]:
+def _update(model: torch.nn.Module, shape: tuple[int, int, int] = TINY_SHAPE) -> Callable[[], None]:
     """The trainer's per-step update after the gradients exist (`Trainer.clip_gradients`, then the fused
     AdamW step): the global norm (an all-reduce when the gradients are DTensors), clipping, the step."""
-    _fwd_bwd(model)()
+    _fwd_bwd(model, shape)()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-9, fused=True)
 
@@ -149,21 +168,24 @@ def _update(model: torch.nn.Module) -> Callable[[], None]:
 
 
 def host_seconds(
-    wrap: Callable[[torch.nn.Module], None] = lambda model: None, calls: int = 15
+    wrap: Callable[[torch.nn.Module], None] = lambda model: None, calls: int = 15, sized: bool = False
 ) -> dict[str, float]:
     """Host seconds of a tiny model, after `wrap` (TP, FSDP) is applied, as a slope per block and what the
     rest of the model (embedding, final norm, output layer) adds: of a forward + backward ("block",
-    "model") and of the step's update ("update_block", "update_model")."""
+    "model") and of the step's update ("update_block", "update_model"); with `sized`, also a forward +
+    backward's slope per block at SIZED_SHAPE ("sized_block"), compute included."""
     probes = []
-    for probe in (_fwd_bwd, _update):
+    for probe, shape in [(_fwd_bwd, TINY_SHAPE), (_update, TINY_SHAPE)] + [(_fwd_bwd, SIZED_SHAPE)] * sized:
         for layers in PROBE_LAYERS:
             torch.manual_seed(0)
-            model = Transformer(_probe_model(layers))
+            model = Transformer(_probe_model(layers, shape))
             wrap(model)
-            probes.append(probe(model))
+            probes.append(probe(model, shape))
     seconds = typical_seconds_each(probes, calls)
     result = {}
-    for prefix, shallow, deep in (("", *seconds[:2]), ("update_", *seconds[2:])):
+    if sized:
+        result["sized_block"] = max(0.0, (seconds[5] - seconds[4]) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
+    for prefix, shallow, deep in (("", *seconds[:2]), ("update_", *seconds[2:4])):
         per_block = max(0.0, (deep - shallow) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
         result[f"{prefix}block"] = per_block
         result[f"{prefix}model"] = max(0.0, shallow - per_block * PROBE_LAYERS[0])
@@ -185,7 +207,7 @@ def measure_local() -> dict[str, float]:
         "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
         "memory_bytes_per_s": memory_bytes_per_s,
         "memory_fresh_page_fraction": fresh_pages,  # reported, not used
-        **{f"{name}_host_s": seconds for name, seconds in host_seconds().items()},
+        **{f"{name}_host_s": seconds for name, seconds in host_seconds(sized=True).items()},
     }
 
 
@@ -291,7 +313,7 @@ def _measure_gloo() -> dict[str, float]:
     scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), calls=9)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
-    tp_host = host_seconds(tensor_parallel(mesh), calls=36)
+    tp_host = host_seconds(tensor_parallel(mesh), calls=36, sized=True)
     fsdp_host = host_seconds(
         lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp), calls=36
     )
@@ -411,6 +433,8 @@ def cpu_profile(threads: int = 1) -> HardwareProfile:
         attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
         network_efficiency=1.0,  # the bandwidths above are already what a collective achieved
         layer_overhead_s=measured["block_host_s"],  # the others: what TP and FSDP add to these
+        tp_layer_overhead_s_per_byte=tp_overhead_per_byte(measured),
+        tp_comm_measured=True,
         model_overhead_s=measured["model_host_s"],
         **{
             f"{kind}{part}_overhead_s": max(
@@ -425,3 +449,17 @@ def cpu_profile(threads: int = 1) -> HardwareProfile:
         step_seconds_per_param=0.0,  # measured as the update's host times
         source=f"measured by `megascale calibrate` ({path})",
     )
+
+
+def tp_overhead_per_byte(measured: dict[str, float]) -> float:
+    """Seconds per byte of a micro-batch's activations that tensor parallelism (over two processes) adds
+    to a block's forward + backward beyond half the block's compute: the growth of the TP probe's
+    per-block time from the tiny shape to the sized one, less half the plain probe's growth.
+
+    The TP probe's time at the tiny shape holds its dispatch and its collectives' latency; what grows with
+    the activations was once counted as their bytes over gloo's 4 MB bandwidth and as half a block's
+    compute, and fell short by 5-10 ms a block at the runs' size (docs/planning.md, session 12): the
+    transfers and the sequence-parallel copies take the very cores that compute."""
+    grown = measured["tp_sized_block_host_s"] - measured["tp_block_host_s"]
+    compute = (measured["sized_block_host_s"] - measured["block_host_s"]) / 2
+    return max(0.0, grown - compute) / (activation_bytes(SIZED_SHAPE) - activation_bytes(TINY_SHAPE))

@@ -77,7 +77,10 @@ def block_time(job: Job, layout: Layout, profile: HardwareProfile, fused_kernels
     elementwise_s = (
         tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
     )
-    host_s = profile.layer_overhead_s + (profile.tp_layer_overhead_s if layout.tp > 1 else 0.0)
+    host_s = profile.layer_overhead_s
+    if layout.tp > 1:
+        activations = tokens * model.dim * job.precision.activation_bytes
+        host_s += profile.tp_layer_overhead_s + profile.tp_layer_overhead_s_per_byte * activations
     host_s += profile.dp_layer_overhead_s if layout.dp > 1 and layout.zero_stage >= 2 else 0.0
     # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
     full = layout.recompute == "full"

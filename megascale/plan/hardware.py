@@ -47,6 +47,11 @@ class HardwareProfile:
     )
     model_overhead_s: float  # the same for the rest of the model (embedding, output layer, loss)
     tp_layer_overhead_s: float  # the same, added by tensor parallelism's operator dispatch
+    # ... and what it adds per byte of a micro-batch's activations (tokens x hidden) beyond its share of
+    # the compute: its copies and transfers where they take the cores that compute (gloo on a CPU).
+    # A profile that measures it has its TP communication inside these host times (tp_comm_measured).
+    tp_layer_overhead_s_per_byte: float
+    tp_comm_measured: bool
     dp_layer_overhead_s: float  # the same, added by sharded data parallelism's per-block hooks
     tp_model_overhead_s: float  # what tensor parallelism adds to the rest of the model
     dp_model_overhead_s: float  # what sharded data parallelism adds to the rest of the model
@@ -89,6 +94,8 @@ _GPU_CONSTANTS = dict(
     layer_overhead_s=0.0,
     model_overhead_s=0.0,
     tp_layer_overhead_s=0.0,
+    tp_layer_overhead_s_per_byte=0.0,
+    tp_comm_measured=False,
     dp_layer_overhead_s=0.0,
     tp_model_overhead_s=0.0,
     dp_model_overhead_s=0.0,

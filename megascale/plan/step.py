@@ -100,8 +100,8 @@ def _tp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, gemm_s: float
 ) -> float:
     """TP/SP collective seconds per block per micro-batch (forward + backward) that stay on the critical
-    path."""
-    if layout.tp == 1:
+    path (none apart from the host times when the profile measured them with the communication in)."""
+    if layout.tp == 1 or profile.tp_comm_measured:
         return 0.0
     # Megatron's sequence parallelism: a column-parallel group all-gathers its input forward, and all-gathers
     # it again and reduce-scatters its input gradient backward; a row-parallel one reduce-scatters forward

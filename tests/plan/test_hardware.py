@@ -39,6 +39,8 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
         "memory_bytes_per_s": 4e9,
         "block_host_s": 0.002,
         "model_host_s": 0.001,
+        "sized_block_host_s": 0.006,  # 4 ms of compute, 2 ms of it on each of two TP ranks
+        "tp_sized_block_host_s": 0.054,  # 2 ms of compute and 2 ms more, over 130,560 more bytes
         "update_block_host_s": 0.001,
         "update_model_host_s": 0.002,
         "collective_latency_s": 3e-4,
@@ -60,6 +62,8 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
     assert profile.peak_flops("float32") == pytest.approx(0.1e12)
     assert profile.intra_node_bytes_per_s == pytest.approx(2 / (1 / 3e8 + 1 / 2e8))
     assert profile.tp_layer_overhead_s == pytest.approx(0.048)
+    assert profile.tp_layer_overhead_s_per_byte == pytest.approx(0.002 / (4 * 128 * 64 * 4 - 4 * 16 * 8))
+    assert profile.tp_comm_measured
     assert profile.dp_layer_overhead_s == pytest.approx(0.013)
     assert profile.tp_update_layer_overhead_s == pytest.approx(0.003)
     assert profile.dp_update_layer_overhead_s == pytest.approx(0.002)
