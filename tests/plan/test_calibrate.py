@@ -72,11 +72,6 @@ def timed_run(args, nproc, run_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 8 open: the memory probe's huge-page outlier is fixed, but tp2 x pp2 ran 7-27% short in "
-    "every round of session 11 on an Intel Xeon, once past 25% (docs/planning.md); the figures are printed",
-)
 def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, tmp_path, monkeypatch):
     before = cpu_times()
     time.sleep(1.0)
