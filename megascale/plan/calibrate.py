@@ -2,20 +2,19 @@
 
 Beyond the matmul peak (`megascale.observe.peak`), the planner needs what a CPU run is actually bound by at
 the small sizes it can train: how fast a small GEMM runs compared with the peak, the memory rate of
-element-wise work whose results are fresh memory (`fresh_memory_bytes_per_s`), the host's time to
-dispatch one block's forward and backward and the rest of the model's (eager PyTorch waits for every
-operator), the same for the step's update (gradient norm, clipping, optimizer step: with DTensor
-weights it costs as much as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's
-hooks add to each, what tensor parallelism adds per byte of activations (its block probe again at the
-size of the runs a CPU trains: its transfers and copies take the cores that compute, so they are measured
-rather than counted as bytes over a bandwidth), and gloo's latency and bandwidth between two local
-processes. All of it takes 30-50 s
-(most of it two pairs of fresh interpreters importing torch for the gloo measurements) and is cached next
-to the peak; the CPU profile exists only once it has been. Times are medians of repeated calls, as a training
-loop sees them. On a machine shared with other work they still move with that work, and so do the
-predictions made from them; on a virtual machine, with the time its hypervisor gives to other guests
-(steal time, observe/cpu_load.py), so a calibration that lost more than 5% of the time to it is made
-again, up to three times, and the least disturbed one is kept and its `steal_fraction` reported.
+element-wise work whose results are fresh memory (`fresh_memory_bytes_per_s`), the host's time to dispatch
+one block's forward and backward and the rest of the model's (eager PyTorch waits for every operator), the
+same for the step's update (gradient norm, clipping, optimizer step: with DTensor weights it costs as much
+as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's hooks add to each, what
+tensor parallelism adds per byte of activations (its block probe again at the size of the runs a CPU trains:
+its transfers and copies take the cores that compute, so they are measured rather than counted as bytes over
+a bandwidth), and gloo's latency and bandwidth between two local processes. All of it takes 40-60 s (most of
+it the two pairs of processes that measure together) and is cached next to the peak; the CPU profile exists
+only once it has been. Times are medians of repeated calls, as a training loop sees them. On a machine
+shared with other work they still move with that work, and so do the predictions made from them; on a
+virtual machine, with the time its hypervisor gives to other guests (steal time, observe/cpu_load.py), so a
+calibration that lost more than 5% of the time to it is made again, up to three times, and the least
+disturbed one is kept and its `steal_fraction` reported.
 """
 
 from __future__ import annotations
@@ -175,7 +174,8 @@ def host_seconds(
     "model") and of the step's update ("update_block", "update_model"); with `sized`, also a forward +
     backward's slope per block at SIZED_SHAPE ("sized_block"), compute included."""
     probes = []
-    for probe, shape in [(_fwd_bwd, TINY_SHAPE), (_update, TINY_SHAPE)] + [(_fwd_bwd, SIZED_SHAPE)] * sized:
+    kinds = [(_fwd_bwd, TINY_SHAPE), (_update, TINY_SHAPE)] + ([(_fwd_bwd, SIZED_SHAPE)] if sized else [])
+    for probe, shape in kinds:
         for layers in PROBE_LAYERS:
             torch.manual_seed(0)
             model = Transformer(_probe_model(layers, shape))
