@@ -183,13 +183,17 @@ def host_seconds(
             probes.append(probe(model, shape))
     seconds = typical_seconds_each(probes, calls)
     result = {}
+    for prefix, shallow, deep in (("", *seconds[0:2]), ("update_", *seconds[2:4])):
+        result[f"{prefix}block"] = _per_block(shallow, deep)
+        result[f"{prefix}model"] = max(0.0, shallow - result[f"{prefix}block"] * PROBE_LAYERS[0])
     if sized:
-        result["sized_block"] = max(0.0, (seconds[5] - seconds[4]) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
-    for prefix, shallow, deep in (("", *seconds[:2]), ("update_", *seconds[2:4])):
-        per_block = max(0.0, (deep - shallow) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
-        result[f"{prefix}block"] = per_block
-        result[f"{prefix}model"] = max(0.0, shallow - per_block * PROBE_LAYERS[0])
+        result["sized_block"] = _per_block(*seconds[4:6])
     return result
+
+
+def _per_block(shallow_s: float, deep_s: float) -> float:
+    """Seconds per block: the slope between the probes at the two PROBE_LAYERS depths."""
+    return max(0.0, (deep_s - shallow_s) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]))
 
 
 def measure_local() -> dict[str, float]:

@@ -77,10 +77,8 @@ def test_a_profile_that_measured_tp_with_its_communication_adds_it_per_activatio
     """A CPU's TP probes run gloo's transfers on the cores that compute, so the profile measures what TP
     adds per byte of activations and the model adds no TP communication term of its own."""
     measured = dataclasses.replace(A100, tp_layer_overhead_s_per_byte=1e-12, tp_comm_measured=True)
-    counted, with_bytes = (
-        estimate(),
-        estimate_step(JOB, Layout(dp=4, **LAYOUT_175B), MEGASCALE, measured, Cluster(256)),
-    )
+    counted = estimate()
+    with_bytes = estimate_step(JOB, Layout(dp=4, **LAYOUT_175B), MEGASCALE, measured, Cluster(256))
     assert counted.terms_s["tp_exposed"] > 0 and with_bytes.terms_s["tp_exposed"] == 0
     per_block = (
         LAYOUT_175B["micro_batch"] * JOB.seq_len * JOB.model.dim * JOB.precision.activation_bytes * 1e-12
