@@ -243,8 +243,8 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     if measured["steal_fraction"] > 0.1:
         print(
             f"warning: the hypervisor gave {measured['steal_fraction']:.0%} of this machine's CPU time to "
-            "other guests even in the quietest of three calibrations, so these figures are slower than the "
-            "machine; run `megascale calibrate` again when it is quieter"
+            "other guests even in the least disturbed rounds of measurement, so these figures are slower "
+            "than the machine; run `megascale calibrate` again when it is quieter"
         )
     print(f"cached in {calibration_cache()} and {profile_cache()}")
     return 0

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PROC_STAT = Path("/proc/stat")
 
@@ -86,3 +90,17 @@ class CpuSampler:
         """The steal fraction over the training steps these metrics records (metrics.jsonl: each step's end
         `time` and its `step_time_s`) time, from the first one's start to the last one's end."""
         return self.steal_between(records[0]["time"] - records[0]["step_time_s"], records[-1]["time"])
+
+
+def least_disturbed(
+    measure: Callable[[], T], steal_of: Callable[[T], float], wanted: int, most: int, quiet: float
+) -> tuple[list[T], int]:
+    """The `wanted` least disturbed of repeated measurements, and how many were made: `measure()` is
+    called until `wanted` of them lost at most `quiet` of the CPU time to the hypervisor (`steal_of`), or
+    `most` calls in all."""
+    calm: list[T] = []
+    disturbed: list[T] = []
+    while len(calm) < wanted and len(calm) + len(disturbed) < most:
+        measured = measure()
+        (calm if steal_of(measured) <= quiet else disturbed).append(measured)
+    return (calm + sorted(disturbed, key=steal_of))[:wanted], len(calm) + len(disturbed)

@@ -8,13 +8,19 @@ same for the step's update (gradient norm, clipping, optimizer step: with DTenso
 as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's hooks add to each, what
 tensor parallelism adds per byte of activations (its block probe again at the size of the runs a CPU trains:
 its transfers and copies take the cores that compute, so they are measured rather than counted as bytes over
-a bandwidth), and gloo's latency and bandwidth between two local processes. All of it takes 40-60 s (most of
-it the two pairs of processes that measure together) and is cached next to the peak; the CPU profile exists
-only once it has been. Times are medians of repeated calls, as a training loop sees them. On a machine
-shared with other work they still move with that work, and so do the predictions made from them; on a
-virtual machine, with the time its hypervisor gives to other guests (steal time, observe/cpu_load.py), so a
-calibration that lost more than 5% of the time to it is made again, up to three times, and the least
-disturbed one is kept and its `steal_fraction` reported.
+a bandwidth), and gloo's latency and bandwidth between two local processes. It is cached next to the peak;
+the CPU profile exists only once it has been.
+
+Times are medians of repeated calls, as a training loop sees them. Everything is measured in fresh
+processes, as the runs it predicts start fresh: the calibration test once ran it inside a pytest process that
+had run 450 tests, and there the memory probe's results reused memory already faulted in (it read 2.5x the
+machine's rate). On a machine shared with other work the figures still move with that work, and so do the
+predictions made from them: one calibration ran 7-30% slower than the runs after it. So the measurement is
+made in ROUNDS rounds, one after the other (each a process for the single-process probes and a pair for the
+two-process ones, about 25 s), and every figure is the median over the rounds: a slow spell over one round
+does not move it. On a virtual machine the hypervisor also gives time to other guests (steal time,
+observe/cpu_load.py), so a round that lost more than 5% of the time to it is made again, up to MAX_ROUNDS
+rounds in all, and the least disturbed are kept and their median `steal_fraction` reported.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +46,7 @@ import torch
 from megascale.config import AttentionConfig, ModelConfig, OverlapConfig
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
-from megascale.observe.cpu_load import cpu_times, steal_fraction
+from megascale.observe.cpu_load import cpu_times, least_disturbed, steal_fraction
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
 from megascale.optim.clip import clip_by_global_norm
 from megascale.plan.hardware import HardwareProfile
@@ -58,11 +64,11 @@ SIZED_SHAPE = (SMALL_GEMM[1], 64, SMALL_GEMM[0] // 64)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
 MEMORY_FLOATS = 1 << 23  # memory probe: two 32 MB tensors added into a fresh third
 PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42  # Linux prctl(2) options
-GLOO_PAIRS = 2  # pairs of fresh processes that make the two-process measurements, averaged
-# A calibration during which the hypervisor took more than QUIET_STEAL of the CPU time is made again, up to
-# ATTEMPTS times in all, and the least disturbed one kept.
+ROUNDS = 3  # rounds of measurement, each in fresh processes; every figure is the median over the rounds
+# A round during which the hypervisor took more than QUIET_STEAL of the CPU time is made again, up to
+# MAX_ROUNDS rounds in all, and the ROUNDS least disturbed kept.
 QUIET_STEAL = 0.05
-ATTEMPTS = 3
+MAX_ROUNDS = 5
 # What `megascale calibrate` stores; a cache without one of them was written by an older version.
 MEASURED = (
     "small_gemm_flops_per_s",
@@ -197,7 +203,8 @@ def _per_block(shallow_s: float, deep_s: float) -> float:
 
 
 def measure_local() -> dict[str, float]:
-    """Single-process measurements: small-GEMM rate, fresh-memory bandwidth, per-block host time."""
+    """Single-process measurements: small-GEMM rate, fresh-memory bandwidth, per-block host time (run in
+    a fresh interpreter by `measure_round`)."""
     m, k, n = SMALL_GEMM
     inputs = torch.randn(m, k, requires_grad=True)
     weight = torch.randn(n, k, requires_grad=True)
@@ -205,7 +212,7 @@ def measure_local() -> dict[str, float]:
     def linear_forward_backward() -> None:  # a linear layer's three GEMMs, as autograd runs them
         torch.nn.functional.linear(inputs, weight).sum().backward()
 
-    small_gemm_s = typical_seconds(linear_forward_backward, calls=1500)
+    small_gemm_s = typical_seconds(linear_forward_backward, calls=500)
     memory_bytes_per_s, fresh_pages = fresh_memory_bytes_per_s()
     return {
         "small_gemm_flops_per_s": 3 * 2 * m * k * n / small_gemm_s,
@@ -215,7 +222,7 @@ def measure_local() -> dict[str, float]:
     }
 
 
-def fresh_memory_bytes_per_s(calls: int = 60) -> tuple[float, float]:
+def fresh_memory_bytes_per_s(calls: int = 20) -> tuple[float, float]:
     """Bytes per second of an add whose 32 MB result is fresh memory, faulted in 4 KB pages; and the share
     of the result's pages that each call faulted in (1.0 when it measured what it means to).
 
@@ -251,11 +258,15 @@ def small_pages() -> Iterator[None]:
         prctl(PR_SET_THP_DISABLE, previous, 0, 0, 0)
 
 
-def rank_main(rank: int, workdir: str, threads: int) -> None:
-    """One of the two measuring ranks (run in its own interpreter by `measure_gloo`): they meet through a
-    file in `workdir`, and each writes its figures there."""
-    torch.set_num_threads(threads)
-    measured = in_two_rank_group(rank, os.path.join(workdir, "init"), _measure_gloo)
+def rank_main(rank: str, workdir: str, threads: str) -> None:
+    """A measuring process (run in its own interpreter by `measure_round`, which passes its arguments as
+    text), which writes its figures to `workdir`: rank "local" takes the single-process measurements; ranks
+    "0" and "1" the two-process ones, meeting through a file there."""
+    torch.set_num_threads(int(threads))
+    if rank == "local":
+        measured = measure_local()
+    else:
+        measured = in_two_rank_group(int(rank), os.path.join(workdir, "init"), _measure_gloo)
     Path(workdir, f"rank{rank}.json").write_text(json.dumps(measured))
 
 
@@ -317,9 +328,9 @@ def _measure_gloo() -> dict[str, float]:
     scatter_s = typical_seconds(lambda: dist.reduce_scatter_single(shard, full), calls=9)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
-    tp_host = host_seconds(tensor_parallel(mesh), calls=36, sized=True)
+    tp_host = host_seconds(tensor_parallel(mesh), calls=24, sized=True)
     fsdp_host = host_seconds(
-        lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp), calls=36
+        lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp), calls=24
     )
     half_bytes = PROBE_FLOATS * 4 / 2  # what a ring over 2 ranks moves per rank: (n - 1)/n of the tensor
     return {
@@ -331,26 +342,27 @@ def _measure_gloo() -> dict[str, float]:
     }
 
 
-def measure_gloo(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
-    """Two local ranks measure together; rank 0's figures, averaged over `GLOO_PAIRS` pairs of fresh
-    processes one after the other (a pair's pace for the tensor-parallel probes moves by 15% and more
-    from one pair to the next)."""
-    pairs = []
-    for _ in range(GLOO_PAIRS):
-        with tempfile.TemporaryDirectory() as workdir:
-            run_two_ranks(
-                "import sys; from megascale.plan.calibrate import rank_main; "
-                "rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))",
+def measure_round(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
+    """One round of measurement: a fresh process takes the single-process figures, then a pair of fresh
+    processes the two-process ones (rank 0's); and the share of the CPU time the hypervisor took."""
+    before = cpu_times()
+    measured = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for ranks in (["local"], (0, 1)):
+            run_ranks(
+                "import sys; from megascale.plan.calibrate import rank_main; rank_main(*sys.argv[1:])",
                 [workdir, str(threads)],
                 timeout_s,
+                ranks,
             )
-            pairs.append(json.loads(Path(workdir, "rank0.json").read_text()))
-    return {name: statistics.fmean(pair[name] for pair in pairs) for name in pairs[0]}
+            measured |= json.loads(Path(workdir, f"rank{ranks[0]}.json").read_text())
+    measured["steal_fraction"] = steal_fraction(before, cpu_times())
+    return measured
 
 
-def run_two_ranks(code: str, args: list[str], timeout_s: float) -> None:
-    """`python -c code RANK *args` for ranks 0 and 1, each a fresh interpreter (a child forked from a
-    parent that ran multi-threaded kernels can hang in its first one). Both are killed by pid if they
+def run_ranks(code: str, args: list[str], timeout_s: float, ranks: Sequence[int | str] = (0, 1)) -> None:
+    """`python -c code RANK *args` for each of `ranks`, each a fresh interpreter (a child forked from a
+    parent that ran multi-threaded kernels can hang in its first one). All are killed by pid if they
     outlive `timeout_s`; a rank that fails raises with the exit codes and what the ranks printed."""
     procs = [
         subprocess.Popen(
@@ -359,7 +371,7 @@ def run_two_ranks(code: str, args: list[str], timeout_s: float) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in ranks
     ]
     try:
         errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
@@ -371,25 +383,15 @@ def run_two_ranks(code: str, args: list[str], timeout_s: float) -> None:
     codes = [proc.returncode for proc in procs]
     if any(codes):
         printed = "".join(errors)[-2000:]
-        raise RuntimeError(f"calibrate: a gloo measuring rank failed (exit codes {codes}):\n{printed}")
+        raise RuntimeError(f"calibrate: a measuring process failed (exit codes {codes}):\n{printed}")
 
 
 def calibrate_profile(threads: int) -> dict[str, float]:
     """Measure everything the CPU profile needs with `threads` threads per process, and cache it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    measured: dict[str, float] | None = None
-    try:
-        for _ in range(ATTEMPTS):
-            before = cpu_times()
-            attempt = measure_local() | measure_gloo(threads)
-            attempt["steal_fraction"] = steal_fraction(before, cpu_times())  # reported, not used
-            if measured is None or attempt["steal_fraction"] < measured["steal_fraction"]:
-                measured = attempt
-            if measured["steal_fraction"] <= QUIET_STEAL:
-                break
-    finally:
-        torch.set_num_threads(previous)
+    rounds, _ = least_disturbed(
+        lambda: measure_round(threads), lambda round: round["steal_fraction"], ROUNDS, MAX_ROUNDS, QUIET_STEAL
+    )
+    measured = {name: statistics.median(round[name] for round in rounds) for name in rounds[0]}
     path = profile_cache()
     cache = json.loads(path.read_text()) if path.is_file() else {}
     cache[cache_key(threads)] = measured

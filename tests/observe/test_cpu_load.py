@@ -1,7 +1,14 @@
 """Reading /proc/stat: busy and stolen shares between two readings, and a window looked up afterwards."""
 
 from megascale.observe import cpu_load
-from megascale.observe.cpu_load import CpuSampler, CpuTimes, busy_fraction, cpu_times, steal_fraction
+from megascale.observe.cpu_load import (
+    CpuSampler,
+    CpuTimes,
+    busy_fraction,
+    cpu_times,
+    least_disturbed,
+    steal_fraction,
+)
 
 
 def stat_line(user, idle, iowait, steal):
@@ -50,3 +57,17 @@ def test_the_sampler_reads_in_a_thread_until_it_is_left():
     assert count >= 4  # and one last reading as it stops
     assert all(a[0] <= b[0] for a, b in zip(sampler.samples, sampler.samples[1:]))
     assert len(sampler.samples) == count  # stopped
+
+
+def test_least_disturbed_measures_until_enough_are_calm_and_keeps_the_calmest():
+    def measurements(steals):
+        readings = iter(steals)
+        return lambda: next(readings)
+
+    calm_third_and_fourth = measurements([0.2, 0.01, 0.3, 0.02, 0.0])
+    assert least_disturbed(calm_third_and_fourth, lambda s: s, wanted=2, most=5, quiet=0.05) == (
+        [0.01, 0.02],
+        4,
+    )
+    never_calm = measurements([0.2, 0.1, 0.3, 0.0])
+    assert least_disturbed(never_calm, lambda s: s, wanted=2, most=3, quiet=0.05) == ([0.1, 0.2], 3)

@@ -9,6 +9,8 @@ not the model. The same holds for a virtual machine's other guests: a run whose 
 another, up to four runs in all; when the runs kept, or the calibration, lost more than 10%, the test skips.
 """
 
+import functools
+import itertools
 import json
 import os
 import statistics
@@ -21,9 +23,9 @@ import pytest
 
 from megascale.cli import main
 from megascale.config import load_config
-from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times
+from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times, least_disturbed
 from megascale.observe.metrics import read_metrics
-from megascale.plan.calibrate import cache_key, cpu_profile, profile_cache, run_two_ranks
+from megascale.plan.calibrate import cache_key, cpu_profile, profile_cache, run_ranks
 from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config
 from megascale.plan.step import estimate_step
 
@@ -61,9 +63,11 @@ def run_megascale(argv, cwd, timeout_s):
     return result.stdout
 
 
-def timed_run(args, nproc, run_dir, tmp_path):
-    """One run of a layout: its step times after warm-up, and the share of the machine's CPU time the
-    hypervisor took meanwhile."""
+def timed_run(args, nproc, run_dirs, tmp_path):
+    """One run of a layout, into the next of `run_dirs`: its step times after warm-up, and the share of the
+    machine's CPU time the hypervisor took meanwhile."""
+    run_dir = next(run_dirs)
+    args = [*args, f"--training.run_dir={run_dir}"]
     with CpuSampler() as sampler:
         run_megascale(["train", "--nproc", str(nproc), *args], tmp_path, timeout_s=120)
     records = [record for record in read_metrics(run_dir) if "step_time_s" in record]
@@ -84,7 +88,7 @@ def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, 
     busy = busy_fraction(before, cpu_times())
     if busy > 0.5:
         pytest.skip(f"machine busy: other work uses {busy:.0%} of the cores before the test starts")
-    monkeypatch.setattr("megascale.plan.calibrate.ATTEMPTS", 2)  # bounded, as the runs below are
+    monkeypatch.setattr("megascale.plan.calibrate.MAX_ROUNDS", 4)  # bounded, as the runs below are
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0  # into this test's cache
     calibration = json.loads(profile_cache().read_text())[cache_key(1)]
     print("\ncalibration: " + ", ".join(f"{name} {value:.3g}" for name, value in calibration.items()))
@@ -111,15 +115,16 @@ def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, 
         predicted_s = estimate_step(
             job_from_config(cfg), layout_from_config(cfg, nproc), MEGASCALE_TRAINER, profile, Cluster(nproc)
         ).step_s
-        quiet, disturbed = [], []
-        while len(quiet) < RUNS and len(quiet) + len(disturbed) < MAX_ATTEMPTS:
-            run_dir = tmp_path / f"{name.replace(' ', '')}-{len(quiet) + len(disturbed)}"
-            step_times, steal = timed_run([*args, f"--training.run_dir={run_dir}"], nproc, run_dir, tmp_path)
-            (quiet if steal <= QUIET_STEAL else disturbed).append((step_times, steal))
-        kept = (quiet + sorted(disturbed, key=lambda run: run[1]))[:RUNS]
+        run_dirs = (tmp_path / f"{name.replace(' ', '')}-{attempt}" for attempt in itertools.count())
+        kept, attempts = least_disturbed(
+            functools.partial(timed_run, args, nproc, run_dirs, tmp_path),
+            lambda run: run[1],
+            RUNS,
+            MAX_ATTEMPTS,
+            QUIET_STEAL,
+        )
         step_times = [seconds for run, _ in kept for seconds in run]
         measured_s, steal = statistics.median(step_times), max(steal for _, steal in kept)
-        attempts = len(quiet) + len(disturbed)
         errors.append(
             (name, measured_s, min(step_times), steal, attempts, predicted_s, predicted_s / measured_s - 1)
         )
@@ -156,7 +161,7 @@ def test_measuring_ranks_exit_cleanly(tmp_path, monkeypatch):
     a rank aborted at exit (SIGABRT) in 6 of 32 runs of this probe: twelve clean runs had an 8% chance."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for run in range(12):
-        run_two_ranks(TP_PROBE_RANK, [str(tmp_path / f"init{run}")], timeout_s=60)
+        run_ranks(TP_PROBE_RANK, [str(tmp_path / f"init{run}")], timeout_s=60)
 
 
 # The memory probe in an interpreter whose torch asks for huge pages on every allocation of 2 MB and more
