@@ -15,7 +15,7 @@ import sys
 import uuid
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 LAUNCHER_VARIABLES = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
@@ -57,10 +57,24 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
         )
         return 0
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
+        rank, failure = first_cause(err.failures)
         print(
             f"error: rank {rank} of {nproc} exited with status {failure.exitcode} (its output is above)",
             file=sys.stderr,
         )
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def first_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The failure to report of a launch's failed workers (by rank): one that exited by itself, before one
+    killed by a signal, before one the agent terminated (SIGTERM) because another had failed; the lowest
+    rank among equals. The lowest rank alone once reported rank 0's SIGTERM (-15) when rank 1 had exited
+    with a config error (2), so the launch exited 1 instead of 2."""
+
+    def rank_of_cause(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
+        rank, failure = item
+        stopped_by_agent = failure.exitcode == -signal.SIGTERM
+        return (0 if failure.exitcode > 0 else 2 if stopped_by_agent else 1), rank
+
+    return min(failures.items(), key=rank_of_cause)
