@@ -75,10 +75,12 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         worker_args = [*(["--debug"] if args.debug else []), "train", *_config_argv(args), *extra]
         return launch_local(args.nproc, worker_args)
 
+    from megascale.parallel.distributed import close_distributed
     from megascale.trainer import Trainer
 
     trainer = Trainer(cfg, debug=args.debug)
     summary = trainer.train()
+    close_distributed()
     if trainer.rank != 0:
         return 0
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""

@@ -117,3 +117,37 @@ def test_sigterm_saves_a_checkpoint_on_every_rank_at_the_same_step(tiny_corpus, 
     (step, checkpoint), *_ = reversed(list_checkpoints(str(run_dir / "checkpoints")))
     assert step == read_metrics(run_dir)[-1]["step"]
     assert "received SIGTERM: saving a checkpoint" in stderr
+
+
+def test_a_rank_destroys_its_process_group_when_training_ends(tiny_corpus, tmp_path):
+    """A rank of `megascale train` leaves no process group alive at exit (NCCL warns about one). Here
+    in-process, as the only rank of a gloo group made beforehand, which the trainer joins as a launched
+    rank joins the one it makes."""
+    import torch.distributed as dist
+
+    from megascale.cli import main
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        args = tiny_args(tiny_corpus, tmp_path / "run", tmp_path / "data", "--training.steps=2")
+        assert main(["train", *args]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_failure_reported_is_the_one_that_caused_the_others():
+    """CI once saw rank 1 exit with a config error (2) and the agent terminate rank 0 (-15): the launch
+    reported rank 0's SIGTERM and exited 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from megascale.launch import first_cause
+
+    def failure(rank, exitcode):
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
+
+    terminated, config_error, killed = failure(0, -signal.SIGTERM), failure(1, 2), failure(2, -signal.SIGKILL)
+    assert first_cause({0: terminated, 1: config_error, 2: killed}) == (1, config_error)
+    assert first_cause({0: terminated, 2: killed}) == (2, killed)  # the OOM killer's, not the agent's
+    assert first_cause({3: failure(3, 1), 1: failure(1, 1)})[0] == 1

@@ -87,3 +87,13 @@ def init_distributed(device: torch.device, timeout_s: float, store: str = "env")
         world_size=env_world_size(),
         timeout=timeout,
     )
+
+
+def close_distributed() -> None:
+    """Destroy the default process group, if this process has one. After a run that ended normally: NCCL
+    warns at exit about a group left alive (gloo does not mind); a rank that fails leaves through its
+    exception instead, without waiting on peers that may be gone."""
+    global _redis_store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _redis_store = None
