@@ -26,7 +26,32 @@ class ControlStore(Protocol):
     def add(self, key: str, amount: int) -> int: ...
 
 
-class TorchStore:
+class JsonStore:
+    """JSON values over a torch.distributed Store (`_store`); each kind says how to read a key without
+    waiting for it (`_read`)."""
+
+    _store: Any
+    url: str
+
+    def put(self, key: str, value: Any) -> None:
+        self._store.set(key, json.dumps(value))
+
+    def fetch(self, key: str) -> Any | None:
+        raw = self._read(key)
+        return None if raw is None else json.loads(raw)
+
+    def _read(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add `amount` to the counter `key` (0 if new); its new value."""
+        return int(self._store.add(key, amount))
+
+
+class TorchStore(JsonStore):
     """torch.distributed.TCPStore; `host=True` serves it (the driver), else connects as a client."""
 
     def __init__(self, address: str, port: int, *, host: bool, timeout_s: float = 30.0):
@@ -41,23 +66,14 @@ class TorchStore:
         # TCPStore's set is fire-and-forget: the server may answer another client's get before it applies
         # this set. A request with a reply on the same connection is served after it, so once `check`
         # returns, every client reads the new value.
-        self._store.set(key, json.dumps(value))
+        super().put(key, value)
         self._store.check([key])
 
-    def fetch(self, key: str) -> Any | None:
-        if not self._store.check([key]):
-            return None
-        return json.loads(self._store.get(key))
-
-    def delete(self, key: str) -> None:
-        self._store.delete_key(key)
-
-    def add(self, key: str, amount: int) -> int:
-        """Atomically add `amount` to the counter `key` (0 if new); its new value."""
-        return int(self._store.add(key, amount))
+    def _read(self, key: str) -> bytes | None:
+        return self._store.get(key) if self._store.check([key]) else None
 
 
-class RedisControlStore:
+class RedisControlStore(JsonStore):
     """A Redis server, through the Redis-backed torch Store; keys are prefixed by the job so jobs can share
     a server."""
 
@@ -67,18 +83,8 @@ class RedisControlStore:
         self._store = RedisStore(url, prefix=prefix, timeout=timedelta(seconds=timeout_s))
         self.url = url
 
-    def put(self, key: str, value: Any) -> None:
-        self._store.set(key, json.dumps(value))
-
-    def fetch(self, key: str) -> Any | None:
-        raw = self._store.try_get(key)
-        return None if raw is None else json.loads(raw)
-
-    def delete(self, key: str) -> None:
-        self._store.delete_key(key)
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(key, amount))
+    def _read(self, key: str) -> bytes | None:
+        return self._store.try_get(key)
 
 
 def open_store(url: str, *, job: str, host: bool = False, timeout_s: float = 30.0) -> ControlStore:

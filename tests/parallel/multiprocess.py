@@ -54,9 +54,14 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
                     raise AssertionError(f"rank {rank} failed:\n{value}")
                 outcomes[rank] = value
         finally:
-            for proc in procs:
-                proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+            join_or_kill(procs)
     return [outcomes[rank] for rank in range(world_size)]
+
+
+def join_or_kill(procs: list[multiprocessing.Process], timeout_s: float = 5.0) -> None:
+    """Join each of the processes this test started, killing (by pid) any still alive after `timeout_s`."""
+    for proc in procs:
+        proc.join(timeout=timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

@@ -28,6 +28,7 @@ from megascale.parallel.distributed import init_distributed, rendezvous_prefix
 from megascale.resilience.executor import free_port
 from megascale.resilience.redis_store import RedisStore
 from tests.conftest import tiny_args
+from tests.parallel.multiprocess import join_or_kill
 
 LONG = timedelta(seconds=20)
 SHORT_S = 0.3
@@ -227,11 +228,7 @@ def run_children(backend, target, args_per_child: list[tuple], timeout_s: float 
             after_start()
         return [results.get(timeout=timeout_s) for _ in children]
     finally:
-        for child in children:
-            child.join(timeout=5)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        join_or_kill(children)
 
 
 def test_concurrent_adds_from_eight_processes_are_each_counted_once(unserved_backend):
@@ -314,11 +311,7 @@ def test_gloo_process_group_through_redis(redis_url, how, world_size):
     try:
         outcomes = sorted(results.get(timeout=60) for _ in ranks)
     finally:
-        for proc in ranks:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        join_or_kill(ranks)
     expected_total = world_size * (world_size + 1) / 2
     assert outcomes == [
         (rank, expected_total, [2.0, 2.0] if rank < 2 else [1.0, 1.0]) for rank in range(world_size)
