@@ -31,6 +31,11 @@ def test_calibrate_measures_caches_and_is_then_used(capsys, monkeypatch):
     monkeypatch.setattr(peak, "measure_matmul_tflops", lambda dtype, threads: 0.123)
     monkeypatch.setattr("megascale.plan.calibrate.ROUNDS", 1)  # one round of measurement is enough here
     monkeypatch.setattr("megascale.plan.calibrate.MAX_ROUNDS", 1)  # even on a busy host
+
+    def not_here():
+        raise AssertionError("calibrate measured in the calling process: its heap is not a fresh run's")
+
+    monkeypatch.setattr("megascale.plan.calibrate.measure_local", not_here)  # fresh processes measure
     assert main(["calibrate", "--dtype", "float32", "--threads", "2"]) == 0
     assert "cpu_matmul_peak_float32_tflops 0.1230" in capsys.readouterr().out
     cached = json.loads(peak.calibration_cache().read_text())
