@@ -248,6 +248,13 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
             "other guests even in the least disturbed rounds of measurement, so these figures are slower "
             "than the machine; run `megascale calibrate` again when it is quieter"
         )
+    if measured["memory_fresh_page_fraction"] < 0.9:
+        print(
+            f"warning: the memory probe faulted in {measured['memory_fresh_page_fraction']:.0%} of its "
+            "results' pages, not all of them (huge pages, or an allocator that keeps freed memory), so "
+            "its rate is above what the trainer's fresh results see and the planner will predict CPU "
+            "runs short"
+        )
     print(f"cached in {calibration_cache()} and {profile_cache()}")
     return 0
 

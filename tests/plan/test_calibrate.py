@@ -193,3 +193,11 @@ def test_the_memory_probe_faults_its_results_in_small_pages_where_huge_pages_are
     probe = json.loads(result.stdout)
     assert probe["faults"] >= 0.9 * probe["pages"]  # the warm-up and 5 calls, each a fresh 32 MB result
     assert probe["reported"] >= 0.9
+
+
+def test_calibrate_warns_when_the_memory_probe_did_not_measure_fresh_pages(capsys, monkeypatch):
+    monkeypatch.setattr("megascale.observe.peak.measure_matmul_tflops", lambda dtype, threads: 0.1)
+    measured = {"steal_fraction": 0.0, "memory_fresh_page_fraction": 0.25}
+    monkeypatch.setattr("megascale.plan.calibrate.calibrate_profile", lambda threads: measured)
+    assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0
+    assert "warning: the memory probe faulted in 25% of its results' pages" in capsys.readouterr().out
