@@ -417,6 +417,13 @@ def cpu_profile(threads: int = 1) -> HardwareProfile:
             f"plan: the calibration in {path} predates {', '.join(missing)}; run "
             f"`megascale calibrate --dtype float32 --threads {threads}` again"
         )
+    return measured_profile(measured, threads, peak_tflops, f"measured by `megascale calibrate` ({path})")
+
+
+def measured_profile(
+    measured: dict[str, float], threads: int, peak_tflops: float, source: str
+) -> HardwareProfile:
+    """The CPU profile from `megascale calibrate`'s figures (`measured`) and matmul peak."""
     peak = peak_tflops * 1e12
     small_flops = 2 * SMALL_GEMM[0] * SMALL_GEMM[1] * SMALL_GEMM[2]
     small_efficiency = min(measured["small_gemm_flops_per_s"] / peak, 0.999)
@@ -453,7 +460,7 @@ def cpu_profile(threads: int = 1) -> HardwareProfile:
         update_model_overhead_s=measured["update_model_host_s"],
         host_cores=max(1, cores // threads),
         step_seconds_per_param=0.0,  # measured as the update's host times
-        source=f"measured by `megascale calibrate` ({path})",
+        source=source,
     )
 
 
