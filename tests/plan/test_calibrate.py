@@ -82,12 +82,6 @@ def timed_run(args, nproc, run_dirs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 8 open: with TP's cost per activation byte measured, 5 local rounds of session 12 were all "
-    "within 25% (tp2 x pp2 -1.2% to +11.3%), but its CI run predicted every layout 17-30% over after a "
-    "calibration that ran slower than the runs (docs/planning.md); the figures are printed",
-)
 def test_predicted_step_time_of_three_layouts_is_within_25_percent(tiny_corpus, tmp_path, monkeypatch):
     before = cpu_times()
     time.sleep(1.0)
