@@ -17,7 +17,7 @@ had run 450 tests, and there the memory probe's results reused memory already fa
 machine's rate). On a machine shared with other work the figures still move with that work, and so do the
 predictions made from them: one calibration ran 7-30% slower than the runs after it. So the measurement is
 made in ROUNDS rounds, one after the other (each a process for the single-process probes and a pair for the
-two-process ones, about 25 s), and every figure is the median over the rounds: a slow spell over one round
+two-process ones, about 30 s), and every figure is the median over the rounds: a slow spell over one round
 does not move it. On a virtual machine the hypervisor also gives time to other guests (steal time,
 observe/cpu_load.py), so a round that lost more than 5% of the time to it is made again, up to MAX_ROUNDS
 rounds in all, and the least disturbed are kept and their median `steal_fraction` reported.
