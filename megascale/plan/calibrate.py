@@ -389,9 +389,9 @@ def run_ranks(code: str, args: list[str], timeout_s: float, ranks: Sequence[int 
 def calibrate_profile(threads: int) -> dict[str, float]:
     """Measure everything the CPU profile needs with `threads` threads per process, and cache it."""
     rounds, _ = least_disturbed(
-        lambda: measure_round(threads), lambda round: round["steal_fraction"], ROUNDS, MAX_ROUNDS, QUIET_STEAL
+        lambda: measure_round(threads), lambda each: each["steal_fraction"], ROUNDS, MAX_ROUNDS, QUIET_STEAL
     )
-    measured = {name: statistics.median(round[name] for round in rounds) for name in rounds[0]}
+    measured = {name: statistics.median(each[name] for each in rounds) for name in rounds[0]}
     path = profile_cache()
     cache = json.loads(path.read_text()) if path.is_file() else {}
     cache[cache_key(threads)] = measured
