@@ -84,7 +84,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if trainer.rank != 0:
         return 0
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
-    state = "stopped by signal" if summary["interrupted"] else "done"
+    if summary["interrupted"]:
+        state = "stopped by signal"
+    elif summary["steps_run"] == 0:
+        state = "nothing to train (see the warning above)"
+    elif summary["step"] < cfg.training.steps:
+        state = "stopped at training.stop_at_step"
+    else:
+        state = "done"
     trainer.console.print(
         f"{state}: step {summary['step']}/{cfg.training.steps}{val}, "
         f"{summary['wall_s']:.0f} s; run directory {trainer.run_dir}"

@@ -163,7 +163,15 @@ class OptimConfig:
 class TrainingConfig:
     """The training loop: steps, batch, precision, device and logging cadence."""
 
-    steps: int = option(240, "Optimizer steps to train for.", ge=1)
+    steps: int = option(
+        240, "Optimizer steps to train for; also the length of the learning-rate schedule.", ge=1
+    )
+    stop_at_step: int | None = option(
+        None,
+        "Stop after this step (saving a checkpoint) short of training.steps, whose schedule stays as it "
+        "is; run again with a later stop, or none, to go on. Unset: train to training.steps.",
+        ge=1,
+    )
     global_batch_size: int = option(16, "Sequences per optimizer step.", ge=1)
     micro_batch_size: int = option(
         16,
@@ -194,7 +202,12 @@ class TrainingConfig:
         ge=0,
     )
     val_every: int = option(120, "Compute validation loss every N steps (and at the last step).", ge=1)
-    val_batches: int = option(8, "Micro-batches per validation.", ge=1)
+    val_sequences: int = option(
+        128,
+        "Sequences per validation: the first of the held-out split, the same ones in every layout and "
+        "micro-batch size (the data-parallel ranks share them).",
+        ge=1,
+    )
     peak_tflops: float | None = option(
         None,
         "Device peak TFLOP/s for MFU on a device missing from "
@@ -481,6 +494,10 @@ class JobConfig:
     def validate(self) -> None:
         """Check every field's range and the rules between fields; raise ConfigError on the first."""
         check_fields(self)
+        self.check_rules()
+
+    def check_rules(self) -> None:
+        """The rules between fields (each field's own range is `check_fields`'); ConfigError on the first."""
         m, a, t = self.model, self.model.attention, self.training
         if m.dim % a.n_heads:
             fail("model.attention.n_heads", a.n_heads, f"must divide model.dim = {m.dim}")
@@ -503,6 +520,12 @@ class JobConfig:
         store = self.parallel.store
         if store != "env" and not re.fullmatch(r"redis://[^/:@]+:\d+(/\d+)?", store):
             fail("parallel.store", store, "must be 'env' or redis://HOST:PORT/DB (redis://10.0.0.1:6379/0)")
+        if t.stop_at_step is not None and t.stop_at_step > t.steps:
+            fail(
+                "training.stop_at_step",
+                t.stop_at_step,
+                f"is past training.steps = {t.steps}, where training ends anyway; lower it or unset it",
+            )
         if t.global_batch_size % t.micro_batch_size:
             fail(
                 "training.global_batch_size",

@@ -40,7 +40,7 @@ def resolve_checkpoint(source: Path) -> str:
 def export_hf(source: Path, out_dir: Path) -> Path:
     """Write the model of a run/checkpoint as a Hugging Face LlamaForCausalLM folder."""
     checkpoint = resolve_checkpoint(source)
-    model_cfg = from_dict(read_manifest(checkpoint)["config"]).model
+    model_cfg = from_dict({"model": read_manifest(checkpoint)["config"]["model"]}).model
     model = Transformer(model_cfg)
     load_checkpoint(checkpoint, {"model": ModelState(model)})
     save_hf(model.state_dict(), model_cfg, out_dir)
@@ -54,6 +54,7 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     model.load_state_dict(state_dict)
     job = JobConfig(model=model_cfg)
     job.checkpoint.init_from = str(out_dir.resolve())
+    job.training.run_dir = f"runs/{out_dir.resolve().name}"  # its own: runs/default may hold another run
     write_checkpoint(
         str(out_dir),
         {"model": ModelState(model)},

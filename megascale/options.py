@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from dataclasses import field
@@ -45,7 +46,9 @@ def fail(key: str, value: Any, why: str) -> typing.NoReturn:
     raise ConfigError(f"config: {key} = {value!r} {why}")
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """A config class's resolved annotations (resolving them is slow, and they never change)."""
     return typing.get_type_hints(cls)
 
 

@@ -9,8 +9,6 @@ gradient accumulation over micro-batches, global-norm clipping, optimizer and sc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import logging
 import math
 import os
@@ -28,9 +26,11 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, load_checkpoint, read_manifest
+from megascale.checkpoint.resume import changes_since, check_model_matches, check_resumable
 from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
-from megascale.config import JobConfig, ModelConfig, flatten_keys, to_dict
+from megascale.config import JobConfig, to_dict
 from megascale.data import build_dataloaders
+from megascale.data.dataset import IGNORE_INDEX
 from megascale.errors import CheckpointError, ConfigError, NonFiniteError
 from megascale.gc_control import AlignedGC
 from megascale.models.flops import flops_per_token, num_params
@@ -39,7 +39,7 @@ from megascale.observe.instruments import Instruments, StepMetrics, format_recor
 from megascale.observe.metrics import MetricsWriter
 from megascale.observe.progress import TrainingProgress, make_console, setup_logging
 from megascale.observe.timeline import Timeline
-from megascale.optim import build_lr_scheduler, build_optimizer
+from megascale.optim import apply_settings, build_lr_scheduler, build_optimizer
 from megascale.optim.clip import clip_by_global_norm
 from megascale.parallel.data import issue_first_all_gathers, sync_gradients
 from megascale.parallel.dims import ParallelDims
@@ -54,14 +54,17 @@ log = logging.getLogger("megascale.trainer")
 # A stop signal arriving this soon after the first is the same request, delivered twice.
 SIGNAL_ECHO_S = 2.0
 
-# Model fields that may change between a checkpoint and the run resuming from it: they change no tensor.
-RESUMABLE_MODEL_CHANGES = {"init_std", "norm_eps", "max_seq_len", "attention.window", "attention.rope_theta"}
-
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in float32 whatever the autocast dtype (on vocabulary shards
-    under tensor parallelism, inside `loss_context`)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    """Next-token cross-entropy summed over tokens and divided by the number of labels, in float32 whatever
+    the autocast dtype (on vocabulary shards under tensor parallelism, inside `loss_context`). Labels equal
+    to IGNORE_INDEX (validation's padding) add nothing but count in the division, so the result times the
+    number of labels is the sum over the real tokens however a batch is padded; without padding it is the
+    mean."""
+    loss_sum = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+    return loss_sum / labels.numel()
 
 
 def prepare_run_dir(path: str) -> Path:
@@ -77,20 +80,6 @@ def prepare_run_dir(path: str) -> Path:
             f"choose another with --training.run_dir=DIR"
         ) from None
     return run_dir
-
-
-def check_model_matches(checkpoint: str, descriptor: dict[str, Any], model_cfg: ModelConfig) -> None:
-    """Refuse a checkpoint written for a model of another shape, naming the first differing field."""
-    saved = flatten_keys(descriptor.get("config", {}).get("model", {}))
-    current = flatten_keys(dataclasses.asdict(model_cfg))
-    for key, value in current.items():
-        if key in RESUMABLE_MODEL_CHANGES or saved.get(key, value) == value:
-            continue
-        raise CheckpointError(
-            f"checkpoint: {checkpoint} was written for model.{key} = {saved[key]!r}, but "
-            f"the config has model.{key} = {value!r}; use the same model settings, or a "
-            f"new --training.run_dir to start afresh"
-        )
 
 
 def load_model_weights(checkpoint: str, model: nn.Module | list[nn.Module]) -> None:
@@ -119,7 +108,7 @@ class Trainer(Stateful):
         committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
         init_from = str(Path(cfg.checkpoint.init_from).expanduser()) if cfg.checkpoint.init_from else None
         if committed:
-            check_model_matches(committed[-1][1], read_manifest(committed[-1][1]), cfg.model)
+            check_resumable(committed[-1][1], read_manifest(committed[-1][1]), cfg)
         elif init_from is not None:
             check_model_matches(init_from, read_manifest(init_from), cfg.model)
         setup_logging(self.run_dir, self.console, debug, rank=self.rank)
@@ -200,9 +189,11 @@ class Trainer(Stateful):
                 "above); move them away, or start afresh with --checkpoint.resume=false"
             )
         if resume_from is not None:
-            check_model_matches(resume_from, read_manifest(resume_from), cfg.model)
+            check_resumable(resume_from, read_manifest(resume_from), cfg)
             replicas = dims.replica_group(self.mesh) if self.mesh is not None else None
             descriptor = self.checkpointer.load(resume_from, self.checkpoint_state(), replicas=replicas)
+            for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
+                apply_settings(optimizer, scheduler, cfg.optim)  # the config's, not the checkpoint's
             saved_layout = descriptor.get("layout", "1 process")
             log.info(
                 "resumed from %s at step %d%s",
@@ -212,6 +203,11 @@ class Trainer(Stateful):
                 if saved_layout != dims.describe()
                 else "",
             )
+            changes = changes_since(descriptor, cfg)
+            if changes:
+                log.warning("resumed with settings changed since step %d: %s", self.step, "; ".join(changes))
+            if init_from is not None:
+                log.info("checkpoint.init_from is read only when a run starts: this one resumes")
         elif init_from is not None:
             load_model_weights(init_from, self.model_parts)
             log.info("initialised the model from %s", init_from)
@@ -265,7 +261,8 @@ class Trainer(Stateful):
 
     # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Train to `training.steps`; checkpoint on schedule, at the end and on SIGINT/SIGTERM."""
+        """Train to `training.stop_at_step`, else `training.steps`; checkpoint on schedule, at the end and on
+        SIGINT/SIGTERM."""
         training = self.cfg.training
         writer = MetricsWriter(
             self.run_dir,
@@ -273,7 +270,17 @@ class Trainer(Stateful):
             tensorboard=self.cfg.metrics.tensorboard and self.rank == 0,
             purge_step=self.step + 1,
         )
-        summary: dict[str, Any] = {"start_step": self.step, "interrupted": False}
+        end = training.stop_at_step or training.steps
+        summary: dict[str, Any] = {"start_step": self.step, "interrupted": False, "end_step": end}
+        if self.step >= end:
+            log.warning(
+                "nothing to train: the run in %s is already at step %d, and training ends at step %d "
+                "(training.%s); raise it to go on, or give a new --training.run_dir to start afresh",
+                self.run_dir,
+                self.step,
+                end,
+                "stop_at_step" if training.stop_at_step else "steps",
+            )
         started_s, steps_run = time.perf_counter(), 0
         collector = AlignedGC(training.gc_every)
         with (
@@ -283,7 +290,7 @@ class Trainer(Stateful):
                 self.console, training.steps, self.step, live=self.cfg.metrics.progress and self.rank == 0
             ) as progress,
         ):
-            while self.step < training.steps:
+            while self.step < end:
                 metrics = self.train_step()
                 self.step += 1
                 steps_run += 1
@@ -299,7 +306,7 @@ class Trainer(Stateful):
                     resumed_from=self.resumed_from,
                     stragglers=record.get("stragglers", []),  # the driver makes them eviction candidates
                 )
-                last = self.step == training.steps
+                last = self.step == end
                 if (self.step % training.val_every == 0 or last) and self.val_loader.num_sequences:
                     record["val_loss"] = summary["val_loss"] = self.validate()
                 if self.step % training.log_every == 0 or last or "val_loss" in record:
@@ -487,31 +494,31 @@ class Trainer(Stateful):
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean loss over the first `val_batches` validation micro-batches (the same ones every time).
-
-        Data-parallel ranks split the batches between them (so their count is rounded up to a multiple of
-        dp, and under pipeline parallelism of dp x micro-batches per step: the schedule's unit)."""
+        """Mean token loss over the first `training.val_sequences` validation sequences, the same ones in
+        every layout: each data-parallel rank sums the token losses of its share (padded to whole
+        micro-batches, or to whole steps of the pipeline schedule), and one all-reduce adds the shares."""
         for part in self.model_parts:
             part.eval()
-        unit = self.parallel_dims.dp * (self.grad_accum_steps if self.parallel_model.schedule else 1)
-        total = math.ceil(self.cfg.training.val_batches / unit) * unit
-        per_rank = total // self.parallel_dims.dp
-        mine = itertools.islice(
-            self.val_loader.batches(total), self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank
-        )
-        batches = [(inputs.to(self.device), labels.to(self.device)) for inputs, labels in mine]
-        losses = []
+        pipelined = self.parallel_model.schedule is not None
+        unit = self.grad_accum_steps if pipelined else 1
+        sequences, dp = self.cfg.training.val_sequences, self.parallel_dims.dp
+        batches = [
+            (inputs.to(self.device), labels.to(self.device))
+            for inputs, labels in self.val_loader.share(sequences, self.dp_rank, dp, unit)
+        ]
+        loss_sum = torch.zeros((), device=self.device)
         with loss_context(self.parallel_dims.tp > 1):
-            if self.parallel_model.schedule is None:
-                losses = [full_tensor(self.loss(inputs, labels)) for inputs, labels in batches]
-            else:
-                for start in range(0, len(batches), self.grad_accum_steps):
-                    losses.append(
-                        self._pipeline_step(batches[start : start + self.grad_accum_steps], backward=False)
-                    )
+            for start in range(0, len(batches), unit):
+                group = batches[start : start + unit]
+                slots = sum(labels.numel() for _, labels in group)  # each loss is a sum over slots
+                if pipelined:
+                    loss_sum += self._pipeline_step(group, backward=False) * slots
+                else:
+                    loss_sum += full_tensor(self.loss(*group[0])) * slots
         for part in self.model_parts:
             part.train()
-        return self._job_mean(torch.stack(losses).mean()).item()
+        tokens = sequences * self.cfg.data.seq_len
+        return self._job_mean(loss_sum * dp / tokens).item()
 
     def save_checkpoint(self, blocking: bool = False) -> str:
         """Snapshot the state now; it is written and committed in the background unless `blocking`."""

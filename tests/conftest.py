@@ -24,7 +24,7 @@ TINY = [
     "--training.micro_batch_size=2",
     "--training.steps=6",
     "--training.val_every=3",
-    "--training.val_batches=2",
+    "--training.val_sequences=4",
     "--training.log_every=1",
     "--training.peak_tflops=0.1",
     "--optim.warmup_steps=2",
@@ -72,16 +72,21 @@ def _isolated_logging():
     logger.handlers[:], logger.propagate, logger.level = saved
 
 
-@pytest.fixture(scope="session")
-def tiny_corpus(tmp_path_factory):
-    """A directory of 60 small deterministic text files (~100 KB)."""
-    root = tmp_path_factory.mktemp("corpus")
+def write_tiny_corpus(root):
+    """60 small deterministic text files (~100 KB) in the directory `root`, created; returns it."""
+    root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "data", "x", "="]
     for i in range(60):
         lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(40)]
         (root / f"doc{i:03d}.txt").write_text("\n".join(lines) + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A directory of 60 small deterministic text files (~100 KB)."""
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def tiny_args(corpus, run_dir, cache_dir, *extra):

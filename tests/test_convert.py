@@ -1,5 +1,7 @@
 """`megascale convert`: a trained run to Hugging Face and back, and training from imported weights."""
 
+import tomllib
+
 import pytest
 import torch
 
@@ -24,6 +26,9 @@ def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
         torch.testing.assert_close(hf_model(tokens).logits, trained.model.eval()(tokens), atol=1e-5, rtol=0)
 
     assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    # Its own run directory: the default one may hold another run, which would be resumed instead.
+    written = tomllib.loads((tmp_path / "imported" / "train.toml").read_text())
+    assert written["training"]["run_dir"] == "runs/imported"
     job = load_config(
         tmp_path / "imported" / "train.toml", tiny_args(tiny_corpus, tmp_path / "ft", tmp_path / "data")
     )

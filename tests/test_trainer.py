@@ -1,5 +1,6 @@
 """The single-process trainer end to end on a tiny model: metrics, checkpoints, resume, signals."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,3 +198,44 @@ def test_checkpointing_does_not_change_the_training(tiny_config, tmp_path):
     Trainer(plain).train()
     Trainer(tiny_config(run_dir=tmp_path / "checkpointed")).train()
     assert losses_by_step(tmp_path / "checkpointed") == losses_by_step(tmp_path / "plain")
+
+
+def test_stop_at_step_stops_short_of_the_schedule_and_a_later_run_finishes_it(tiny_config, tmp_path):
+    Trainer(tiny_config(run_dir=tmp_path / "straight")).train()
+    split = tmp_path / "split"
+    summary = Trainer(tiny_config("--training.stop_at_step=4", run_dir=split)).train()
+    assert summary["step"] == 4
+    assert list_checkpoints(split / "checkpoints")[-1][0] == 4
+    Trainer(tiny_config(run_dir=split)).train()
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(split)
+    # The learning rate of every step follows the 6-step schedule, so the losses are the same bits.
+    assert [(r["step"], r["lr"], r["loss"]) for r in resumed] == [
+        (r["step"], r["lr"], r["loss"]) for r in straight
+    ]
+
+
+def test_each_step_is_logged_once_when_a_run_directory_is_run_again(tiny_config, tmp_path):
+    for _ in range(2):  # no checkpoints: the second run starts afresh in the same directory
+        Trainer(tiny_config("--checkpoint.enabled=false")).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 7))
+    # A run that went past its newest checkpoint (lost here) logs the steps after it again, once.
+    Trainer(tiny_config(run_dir=tmp_path / "crashed")).train()
+    shutil.rmtree(list_checkpoints(tmp_path / "crashed" / "checkpoints")[-1][1])
+    Trainer(tiny_config(run_dir=tmp_path / "crashed")).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "crashed")] == list(range(1, 7))
+
+
+def test_validation_takes_the_same_sequences_whatever_the_micro_batch(tiny_config, tmp_path):
+    """3 validation sequences: one micro-batch of 4 with a padded slot, or three of 1."""
+    losses = []
+    for size in (1, 4):
+        trainer = Trainer(
+            tiny_config(
+                f"--training.micro_batch_size={size}",
+                "--training.val_sequences=3",
+                run_dir=tmp_path / str(size),
+            )
+        )
+        losses.append(trainer.validate())
+        trainer.close()
+    assert abs(losses[0] - losses[1]) <= 1e-6

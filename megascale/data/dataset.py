@@ -19,6 +19,9 @@ import torch
 from megascale.data.shards import TokenShards
 from megascale.errors import DataError
 
+# A label that adds nothing to a loss (cross-entropy's default ignore_index): validation pads with it.
+IGNORE_INDEX = -100
+
 
 @dataclass(frozen=True)
 class DocumentSplit:

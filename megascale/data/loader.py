@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.config import DataConfig
-from megascale.data.dataset import PackedSequences, split_by_documents, split_rows
+from megascale.data.dataset import IGNORE_INDEX, PackedSequences, split_by_documents, split_rows
 from megascale.data.node_share import RingReader, RingWriter, open_shared_ring
 from megascale.data.prefetch import Prefetcher
 from megascale.data.prepare import prepare_dataset
@@ -147,11 +146,11 @@ class TakeShared:
 
 
 class ValLoader:
-    """The validation split in order, as fixed micro-batches: every call to batches(n) yields the same.
+    """The validation split in order: a fixed set of sequences, shared out among data-parallel ranks.
 
-    Every data-parallel rank sees the same batches, so the validation loss does not depend on the
-    layout. With data.val_fraction = 0 (or a one-document dataset) there are no sequences and
-    batches() yields nothing.
+    The first n sequences are the same whatever the layout, so the validation loss does not depend on it.
+    With data.val_fraction = 0 (or a one-document dataset) there are no sequences and every share is
+    empty.
     """
 
     def __init__(
@@ -168,14 +167,27 @@ class ValLoader:
         self.num_tokens = sequences.num_tokens if sequences else 0
         self.num_sequences = sequences.num_sequences if sequences else 0
 
-    def batches(self, n: int) -> Iterator[Batch]:
-        """The first n micro-batches of the split; sequence indices wrap when the split is shorter."""
+    def share(self, sequences: int, rank: int = 0, ranks: int = 1, unit: int = 1) -> list[Batch]:
+        """Rank `rank` of `ranks`' share of the split's first `sequences` sequences (indices wrap where the
+        split is shorter): a contiguous ceil(sequences / ranks) of them, in micro-batches, padded to a whole
+        number of `unit` micro-batches with sequences whose labels are all IGNORE_INDEX. So every rank runs
+        the same number of forwards (the collectives inside them pair up), and each of the `sequences`
+        counts once in a loss summed over tokens."""
         if self.sequences is None:
-            return
-        for batch_index in range(n):
-            first = batch_index * self.micro_batch_size
-            indices = [(first + k) % self.num_sequences for k in range(self.micro_batch_size)]
-            yield self.sequences.batch(indices)
+            return []
+        per_rank = -(-sequences // ranks)
+        unit_sequences = unit * self.micro_batch_size
+        slots = -(-per_rank // unit_sequences) * unit_sequences
+        first = rank * per_rank
+        real = max(0, min(per_rank, sequences - first))
+        batches = []
+        for start in range(0, slots, self.micro_batch_size):
+            positions = range(start, start + self.micro_batch_size)
+            inputs, labels = self.sequences.batch([(first + p) % self.num_sequences for p in positions])
+            padding = torch.tensor([p >= real for p in positions])[:, None]
+            labels = torch.where(padding, IGNORE_INDEX, labels)  # a new tensor: labels may view inputs' rows
+            batches.append((inputs, labels))
+        return batches
 
 
 def build_dataloaders(

@@ -18,7 +18,13 @@ class MetricsWriter:
     """Appends {"step": ..., "time": ..., **scalars} records; closes its files on `close()`."""
 
     def __init__(self, run_dir: Path, *, jsonl: bool, tensorboard: bool, purge_step: int | None = None):
-        self._jsonl = open(run_dir / "metrics.jsonl", "a") if jsonl else None  # noqa: SIM115 (closed in close)
+        """`purge_step`: the first step this run will write; records from it on that an earlier run left
+        (it went past its last checkpoint, or the directory was run afresh) are dropped first, so each
+        step appears once in the files."""
+        path = run_dir / "metrics.jsonl"
+        if jsonl and purge_step is not None:
+            _drop_records_from(path, purge_step)
+        self._jsonl = open(path, "a") if jsonl else None  # noqa: SIM115 (closed in close)
         self._tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it loads TensorBoard
@@ -41,6 +47,19 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _drop_records_from(path: Path, step: int) -> None:
+    """Rewrite `path` (atomically) without its records of `step` and later, if it has any."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) < step]
+    if len(kept) == len(lines):
+        return
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(kept))
+    partial.replace(path)
 
 
 def _jsonable(value: Any) -> Any:

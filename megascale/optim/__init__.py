@@ -14,7 +14,7 @@ from megascale.config import OptimConfig
 from megascale.optim.lamb import Lamb
 from megascale.optim.schedule import lr_factor
 
-__all__ = ["Lamb", "build_lr_scheduler", "build_optimizer", "lr_factor", "param_groups"]
+__all__ = ["Lamb", "apply_settings", "build_lr_scheduler", "build_optimizer", "lr_factor", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -65,3 +65,22 @@ def build_lr_scheduler(
         min_lr_ratio=cfg.min_lr_ratio,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def apply_settings(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: OptimConfig
+) -> None:
+    """Give an optimizer and its schedule the hyper-parameters of `cfg` again after a checkpoint was loaded
+    into them: loading restores the saved ones (peak lr, betas, eps, weight decay, LAMB's clamp), and a run
+    resumed with other settings must train with the ones it was given. The schedule's position is kept."""
+    for group in optimizer.param_groups:
+        group["betas"] = (cfg.beta1, cfg.beta2)
+        group["eps"] = cfg.eps
+        group["weight_decay"] = cfg.weight_decay if group["params"][0].ndim >= 2 else 0.0
+        group["initial_lr"] = cfg.lr
+        if "trust_clamp" in group:
+            group["trust_clamp"] = cfg.trust_clamp
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = cfg.lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

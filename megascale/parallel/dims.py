@@ -115,6 +115,14 @@ class ParallelDims:
                 cfg.data.seq_len,
                 f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)",
             )
+        if self.tp > 1 and training.compile:
+            fail(
+                "training.compile",
+                True,
+                f"cannot be used with parallel.tp = {self.tp}: a compiled tensor-parallel block fails in "
+                "its backward (DTensor is handed a plain gradient; torch 2.13, found on CPU, untested on "
+                "GPU); set --training.compile=false",
+            )
         stages = self.pp * par.pp_virtual_stages
         if stages > model.n_layers:
             fail(

@@ -19,6 +19,7 @@ they compute the same micro-batches in the same order and give the same losses.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -43,11 +44,22 @@ class _Overlapped(_PipelineScheduleRuntime):
 
 
 class _Lockstep(PipelineScheduleMulti):
-    """A compute order run in lock-step: each time step's sends and receives batched and waited on."""
+    """A compute order run in lock-step: each time step's sends and receives batched and waited on.
+
+    torch 2.13's `PipelineScheduleMulti` only scales a stage's gradients after its last backward and never
+    calls the stage's gradient reduction, so a data-parallel stage would keep its unreduced gradients.
+    Here each stage reduces, then scales, after the step's last compute, as the runtime's REDUCE_GRAD
+    action does: both forms give the same bits."""
 
     def __init__(self, stages: list[PipelineStage], order: Order, microbatches: int, loss_fn: Callable):
-        super().__init__(stages, microbatches, loss_fn=loss_fn)
+        super().__init__(stages, microbatches, loss_fn=loss_fn, scale_grads=False)  # scaled in the reduction
         self.pipeline_order = order
+
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        super()._step_microbatches(*args, **kwargs)
+        if self._has_backward:
+            for stage in self._stages:
+                stage.perform_reduce_grad(self._n_microbatches)
 
 
 def one_f_one_b_order(pp: int, microbatches: int) -> Order:

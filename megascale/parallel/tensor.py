@@ -93,9 +93,36 @@ def apply_tensor_parallel(
     an identical model (same weights), whose tensors become DTensors holding this rank's shard. With
     `overlap_chunks` (and sequence parallelism) the MLPs and the attention projections overlap their
     communication in that many sequence chunks (tensor_overlap.py)."""
+    tied = _tied_parameters(model)
     for block in model.get_submodule(blocks).children():
         parallelize_module(block, tp_mesh, _plan_for(block, block_plan, sequence_parallel, overlap_chunks))
     parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel, overlap_chunks))
+    _tie_again(model, tied)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The fully-qualified names of each parameter that more than one module holds (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _tie_again(model: nn.Module, tied: list[list[str]]) -> None:
+    """Make tied parameters one again: each parallel style distributes its module's parameters into new
+    DTensors, so a weight two modules shared (embedding and output layer) would become two, and train
+    untied. The copies must hold the same shard (the vocabulary split of both is along dim 0)."""
+    for first, *others in tied:
+        kept = model.get_parameter(first)
+        for name in others:
+            copy = model.get_parameter(name)
+            if getattr(copy, "placements", None) != getattr(kept, "placements", None):
+                raise ValueError(
+                    f"tensor parallelism shards the tied parameters {first} and {name} differently "
+                    f"({getattr(kept, 'placements', None)} and {getattr(copy, 'placements', None)})"
+                )
+            owner, _, attribute = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(attribute, kept)
 
 
 def loss_context(tensor_parallel: bool) -> contextlib.AbstractContextManager:

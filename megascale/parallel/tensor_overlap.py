@@ -40,14 +40,14 @@ def all_gather_rows(chunk: torch.Tensor, group: ProcessGroup) -> tuple[torch.Ten
     """Start gathering every rank's `chunk` [b, ...] into [ranks * b, ...] (rank-major)."""
     chunk = chunk.contiguous()
     gathered = chunk.new_empty((dist.get_world_size(group) * chunk.shape[0], *chunk.shape[1:]))
-    return gathered, dist.all_gather_into_tensor(gathered, chunk, group=group, async_op=True)
+    return gathered, dist.all_gather_single(gathered, chunk, group=group, async_op=True)
 
 
 def reduce_scatter_rows(rows: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Start summing `rows` [ranks * b, ...] over the ranks, each keeping its own block [b, ...]."""
     rows = rows.contiguous()
     mine = rows.new_empty((rows.shape[0] // dist.get_world_size(group), *rows.shape[1:]))
-    return mine, dist.reduce_scatter_tensor(mine, rows, group=group, async_op=True)
+    return mine, dist.reduce_scatter_single(mine, rows, group=group, async_op=True)
 
 
 def _finished(pending: list[tuple[torch.Tensor, dist.Work]]) -> list[torch.Tensor]:
@@ -139,7 +139,8 @@ class _GatherProject(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        weights, saved = ctx.saved_tensors[: ctx.weights], ctx.saved_tensors[ctx.weights :]
+        tensors = ctx.saved_tensors  # read once: under activation checkpointing each read unpacks them
+        weights, saved = tensors[: ctx.weights], tensors[ctx.weights :]
         ranks = dist.get_world_size(ctx.group)
         grad_rows = [_in_chunk_rows(grad, ranks, ctx.sizes) for grad in grads]
         weight_grads = [torch.zeros_like(weight) for weight in weights]

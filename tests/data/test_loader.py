@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megascale.data import build_dataloaders
+from megascale.data.dataset import IGNORE_INDEX
 from megascale.data.tokenizer import ByteTokenizer
 from megascale.errors import DataError
 
@@ -42,16 +43,39 @@ def test_validation_batches_are_fixed_and_wrap(cfg_for, text_dir):
         seed=0,
         progress=False,
     )
-    many = val.num_sequences  # more batches than the split holds: indices wrap
-    first = list(val.batches(many))
-    assert len(first) == many
-    again = list(val.batches(many))
+    many = 3 * val.num_sequences  # more sequences than the split holds: indices wrap
+    first = val.share(many)
+    assert len(first) == val.num_sequences
+    again = val.share(many)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
     inputs = torch.cat([batch[0] for batch in first])
     labels = torch.cat([batch[1] for batch in first])
     count = val.num_sequences
     assert torch.equal(inputs[count], inputs[0])  # wrapped to the start
     assert torch.equal(labels[: count - 1, -1], inputs[1:count, 0])  # consecutive sequences, in order
+
+
+def test_validation_shares_hold_each_sequence_once_and_pad_to_whole_units(cfg_for, text_dir):
+    """7 sequences over 3 ranks in micro-batches of 2, the unit 2 micro-batches (a pipeline's step): each
+    rank gets 3 sequences and a padded unit of 4 slots; the padding's labels are all ignored, and the real
+    sequences, rank by rank, are the first 7 in order."""
+    _, val = build_dataloaders(
+        cfg_for(text_dir[0], val_fraction=0.2, seq_len=8),
+        model_vocab_size=257,
+        micro_batch_size=2,
+        seed=0,
+        progress=False,
+    )
+    one_rank = torch.cat([labels for _, labels in val.share(8)])[:7]
+    shares = [val.share(7, rank, 3, unit=2) for rank in range(3)]
+    assert [len(share) for share in shares] == [2, 2, 2]
+    labels = [torch.cat([batch[1] for batch in share]) for share in shares]
+    real = [rows[(rows != IGNORE_INDEX).all(dim=1)] for rows in labels]
+    assert [len(rows) for rows in real] == [3, 3, 1]
+    assert all(
+        ((rows == IGNORE_INDEX).all(dim=1) | (rows != IGNORE_INDEX).all(dim=1)).all() for rows in labels
+    )
+    assert torch.equal(torch.cat(real), one_rank)
 
 
 def test_no_validation_when_fraction_is_zero(cfg_for, text_dir):
@@ -62,7 +86,7 @@ def test_no_validation_when_fraction_is_zero(cfg_for, text_dir):
         seed=0,
         progress=False,
     )
-    assert val.num_sequences == 0 and list(val.batches(4)) == []
+    assert val.num_sequences == 0 and val.share(4) == []
 
 
 def test_validation_split_too_small(cfg_for, text_dir):

@@ -5,6 +5,7 @@ is what makes forking safe), so N ranks start in a fraction of a second instead 
 exception, or a hang past the timeout, fails the calling test; every child is killed by pid either way.
 """
 
+import gc
 import multiprocessing
 import os
 import tempfile
@@ -44,8 +45,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
             context.Process(target=_rank_main, args=(fn, rank, world_size, init_file, results, args))
             for rank in range(world_size)
         ]
+        gc.freeze()  # the parent's objects: shared copy-on-write, and no rank's collection scans them
         for proc in procs:
             proc.start()
+        gc.unfreeze()
         outcomes = {}
         try:
             for _ in range(world_size):

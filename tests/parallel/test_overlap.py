@@ -9,10 +9,19 @@ from megascale.config import OverlapConfig, load_config
 from megascale.observe.metrics import read_metrics
 from megascale.observe.timeline import read_trace
 from megascale.trainer import Trainer
+from tests.conftest import TINY
 from tests.parallel.multiprocess import run_ranks
-from tests.parallel.test_trainer_parity import job_args
 
 STEPS = 10
+# Four layers, so that two pipeline ranks can hold two virtual stages each; 4 sequences per step.
+JOB = [
+    "--model.n_layers=4",
+    "--training.global_batch_size=4",
+    f"--training.steps={STEPS}",
+    f"--training.val_every={STEPS}",
+    "--optim.grad_clip=0.5",
+    "--checkpoint.enabled=false",
+]
 # Per rank, 4 blocks x tp_chunks chunks x 2 micro-batches, in the MLP and around attention: as many
 # all-gathers per forward as per backward over 10 steps, and a forward's more in the one validation.
 TP_GATHERS_PER_PASS = 4 * OverlapConfig().tp_chunks * 2 * 2
@@ -27,6 +36,17 @@ INTERLEAVED = [
     "--parallel.pp_virtual_stages=2",
     "--training.micro_batch_size=1",
 ]
+
+
+def job_args(corpus, data_dir, run_dir, *layout):
+    return [
+        *TINY,
+        *JOB,
+        f"--data.source={corpus}",
+        f"--data.cache_dir={data_dir}",
+        f"--training.run_dir={run_dir}",
+        *layout,
+    ]
 
 
 def train_both_ways(rank, world_size, corpus, data_dir, run_root, layout, switch):
@@ -44,8 +64,15 @@ def train_both_ways(rank, world_size, corpus, data_dir, run_root, layout, switch
         if rank == 0:
             result[value] = [r["loss"] for r in read_metrics(run_dir)]
         result.setdefault("mixed", {})[value] = any("send" in ops and "recv" in ops for ops in p2p)
-        waits = [e["name"] for e in events if e["ph"] == "X" and e["name"].startswith("wait ")]
-        result.setdefault("tp_gathers_waited", {})[value] = waits.count("wait all_gather_into_tensor")
+        overlap_waits = [  # the overlap's own gathers: not DTensor's functional ones, on the same group
+            e["name"]
+            for e in events
+            if e["ph"] == "X"
+            and e["name"].startswith("wait ")
+            and e["args"].get("group") == "mesh_tp"
+            and not e["args"].get("functional")
+        ]
+        result.setdefault("tp_gathers_waited", {})[value] = overlap_waits.count("wait all_gather_single")
         # A blocking collective's time on the wait track bears its own name; an asynchronous one's "wait ...".
         on_wait_track = [
             e["name"]
@@ -74,6 +101,8 @@ def train_both_ways(rank, world_size, corpus, data_dir, run_root, layout, switch
         ),
         ("pp2 1f1b pp", 2, ["--parallel.pp=2", "--training.micro_batch_size=1"], "parallel.overlap.pp"),
         ("tp2xpp2 interleaved pp", 4, ["--parallel.tp=2", *INTERLEAVED], "parallel.overlap.pp"),
+        # In lock-step, each stage's data-parallel gradients reduced as the decoupled runtime does.
+        ("dp2xpp2 interleaved pp", 4, ["--parallel.dp_shard=2", *INTERLEAVED], "parallel.overlap.pp"),
         # The two layouts with every overlap on against every overlap off.
         ("dp2xtp2 all", 4, ["--parallel.dp_shard=2", "--parallel.tp=2"], "all"),
         ("tp2xpp2 interleaved all", 4, ["--parallel.tp=2", *INTERLEAVED], "all"),

@@ -1,5 +1,5 @@
-"""The pipeline's layer split and stage placement (the schedules themselves are tested end to end in
-test_trainer_parity.py)."""
+"""The pipeline's layer split and stage placement (the schedules themselves are tested end to end by the
+parity matrix, tests/parallel/test_parity_matrix.py)."""
 
 import pytest
 

@@ -1,0 +1,87 @@
+"""What a run may change when it resumes from a checkpoint, checked before anything is written.
+
+A checkpoint's manifest holds the whole config that wrote it. Resuming under another layout is what
+resharding is for; resuming into another model is refused, naming the field. Everything else the config
+may change, but the change is said: the trainer logs one line listing what differs and applies the new
+values from the resumed step (a longer `training.steps` stretches the learning-rate schedule; a new peak
+`optim.lr` rescales it). Two changes would be silently ignored, so they are refused instead: another
+`optim.name` (the checkpoint holds the other optimizer's state) and a `checkpoint.init_from` that the run
+resumed from never started from (it would resume the old run and drop the import).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from megascale.config import JobConfig, flatten_keys, to_dict
+from megascale.errors import CheckpointError, ConfigError
+
+# Model fields that may change between a checkpoint and the run resuming from it: they change no tensor.
+RESUMABLE_MODEL_CHANGES = {"init_std", "norm_eps", "max_seq_len", "attention.window", "attention.rope_theta"}
+# Fields (or sections) whose change on resume changes the run's course from the resumed step on: said in
+# the log. Layout, logging and supervision fields are not among them.
+REPORTED_CHANGES = (
+    "model.",
+    "optim.",
+    "training.steps",
+    "training.global_batch_size",
+    "training.seed",
+    "training.dtype",
+    "data.source",
+    "data.tokenizer",
+    "data.seq_len",
+)
+
+
+def check_model_matches(checkpoint: str, descriptor: dict[str, Any], model_cfg: Any) -> None:
+    """Refuse a checkpoint written for a model of another shape, naming the first differing field."""
+    saved = flatten_keys(descriptor.get("config", {}).get("model", {}))
+    current = flatten_keys(dataclasses.asdict(model_cfg))
+    for key, value in current.items():
+        if key in RESUMABLE_MODEL_CHANGES or saved.get(key, value) == value:
+            continue
+        raise CheckpointError(
+            f"checkpoint: {checkpoint} was written for model.{key} = {saved[key]!r}, but "
+            f"the config has model.{key} = {value!r}; use the same model settings, or a "
+            f"new --training.run_dir to start afresh"
+        )
+
+
+def check_resumable(checkpoint: str, descriptor: dict[str, Any], cfg: JobConfig) -> None:
+    """Everything that refuses resuming `cfg` from `checkpoint` (its manifest `descriptor`), in one line."""
+    check_model_matches(checkpoint, descriptor, cfg.model)
+    saved = flatten_keys(descriptor.get("config", {}))
+    saved_optimizer = saved.get("optim.name", cfg.optim.name)
+    if saved_optimizer != cfg.optim.name:
+        raise ConfigError(
+            f"config: optim.name = {cfg.optim.name!r}, but the run in {cfg.training.run_dir} was trained "
+            f"with {saved_optimizer!r} and its checkpoint holds that optimizer's state; keep "
+            f"--optim.name={saved_optimizer}, or start a new --training.run_dir with "
+            f"--checkpoint.init_from={checkpoint} (weights only)"
+        )
+    wanted = cfg.checkpoint.init_from
+    started_from = saved.get("checkpoint.init_from")
+    if wanted is not None and (started_from is None or _same_path(started_from) != _same_path(wanted)):
+        step = descriptor.get("step", "?")
+        raise ConfigError(
+            f"config: checkpoint.init_from = {wanted!r}, but training.run_dir = {cfg.training.run_dir!r} "
+            f"already holds checkpoints (up to step {step}) of a run that did not start from it: they would "
+            "be resumed and the import ignored; give this run a new --training.run_dir"
+        )
+
+
+def changes_since(descriptor: dict[str, Any], cfg: JobConfig) -> list[str]:
+    """'key old -> new' for each field that changes the run's course and differs from the checkpoint's."""
+    saved = flatten_keys(descriptor.get("config", {}))
+    current = flatten_keys(to_dict(cfg))
+    return [
+        f"{key} {saved[key]!r} -> {value!r}"
+        for key, value in current.items()
+        if key.startswith(REPORTED_CHANGES) and key in saved and saved[key] != value
+    ]
+
+
+def _same_path(path: str) -> Path:
+    return Path(path).expanduser().resolve()

@@ -1,0 +1,394 @@
+"""The configuration space as one contract: the knobs that change how a step is computed, sharded or
+scheduled, the values each takes, and a covering set of their combinations.
+
+Every config field is in exactly one of two lists. `KNOBS` holds the fields that choose *how* the job's
+step is computed (the layout, the schedules, the overlaps, checkpointing of activations, the model's
+building blocks, the optimizer, precision, compilation, how batches are fed), each with the values the parity
+matrix tries and the condition under which it does anything. `NEUTRAL` holds every other field with the
+reason it cannot make two layouts train different models: a number of the job that every layout uses
+alike, or a field that only logs, paths, times or supervises. A test fails when a field is in neither, so
+a new knob cannot escape the matrix (`tests/test_config_space.py`).
+
+`covering_rows` picks combinations so that every pair (or, with `strength=3`, every triple) of knob values
+that can be active together appears in some combination megascale accepts; a pair that no accepted
+combination can hold is returned as a refused combination instead, whose refusal the matrix asserts. No
+library on our registries generates covering arrays under constraints that only a whole combination can
+check (megascale's own validation decides), so the greedy construction (AETG's: grow each combination
+around a missing tuple, keep the candidate that covers most) is written here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Row = dict[str, Any]  # knob key -> value, every knob present
+
+
+def _pp(row: Mapping[str, Any]) -> bool:
+    return row["parallel.pp"] > 1
+
+
+def _dp(row: Mapping[str, Any]) -> bool:
+    return row["parallel.dp_replicate"] * row["parallel.dp_shard"] > 1
+
+
+def _tp(row: Mapping[str, Any]) -> bool:
+    return row["parallel.tp"] > 1
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A config field that changes how the step runs, and the values the matrix tries; `values[0]` is the one
+    it keeps where it does nothing. `active(row)` says whether it does anything in a combination (the
+    pipeline schedule does nothing without a pipeline)."""
+
+    key: str
+    values: tuple
+    active: Callable[[Mapping[str, Any]], bool] = lambda row: True
+
+
+# Layout knobs first: the others' activity depends on them.
+KNOBS: tuple[Knob, ...] = (
+    Knob("parallel.dp_replicate", (1, 2)),
+    Knob("parallel.dp_shard", (1, 2)),
+    Knob("parallel.tp", (1, 2)),
+    Knob("parallel.pp", (1, 2)),
+    Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe"), _pp),
+    Knob(
+        "parallel.pp_virtual_stages",
+        (1, 2),
+        lambda row: _pp(row) and row["parallel.pp_schedule"] == "interleaved_1f1b",
+    ),
+    Knob("parallel.pp_split", ("uniform", "params"), _pp),
+    Knob("parallel.rank_order", ("tp-dp-pp", "tp-pp-dp"), lambda row: _pp(row) and _dp(row)),
+    Knob("parallel.zero_stage", (3, 2, 1), _dp),
+    Knob("parallel.sequence_parallel", (True, False), _tp),
+    Knob("parallel.activation_checkpoint", ("none", "full", "selective")),
+    Knob("parallel.overlap.dp", (True, False), _dp),
+    Knob("parallel.overlap.tp", (True, False), lambda row: _tp(row) and row["parallel.sequence_parallel"]),
+    Knob(
+        "parallel.overlap.pp", (True, False), lambda row: _pp(row) and row["parallel.pp_schedule"] != "gpipe"
+    ),
+    Knob("model.block", ("serial", "parallel")),
+    Knob("model.norm", ("rmsnorm", "layernorm")),
+    Knob("model.mlp", ("swiglu", "gelu")),
+    Knob("model.position", ("rope", "learned")),
+    Knob("model.tie_embeddings", (False, True)),
+    Knob("model.attention.window", (None, 8)),
+    Knob("model.attention.n_kv_heads", (2, 4)),
+    Knob("optim.name", ("adamw", "lamb")),
+    Knob("optim.grad_clip", (0.5, None)),
+    Knob("training.micro_batch_size", (2, 1, 4)),
+    Knob("training.dtype", ("float32", "bfloat16")),
+    Knob("training.compile", (False, True)),
+    Knob("data.share_per_node", (True, False), lambda row: _pp(row) or _tp(row)),
+    Knob("data.prefetch", (1, 0)),
+    Knob("checkpoint.async_save", (True, False)),
+)
+
+# Why each other field cannot make a layout train a different model from one process.
+_SAME_NUMBER = "a number of the job: every layout computes the same function of it"
+_DATA = "which data: every layout reads the same sequences of it"
+_OUTSIDE = "outside the step: logging, paths, timing or supervision"
+_RESILIENCE = "the driver's supervision of the job (docs/resilience.md), not the step"
+NEUTRAL: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "model.dim",
+            "model.n_layers",
+            "model.vocab_size",
+            "model.ffn_dim",
+            "model.max_seq_len",
+            "model.norm_eps",
+            "model.init_std",
+            "model.attention.n_heads",
+            "model.attention.rope_theta",
+            "optim.lr",
+            "optim.min_lr_ratio",
+            "optim.warmup_steps",
+            "optim.decay",
+            "optim.beta1",
+            "optim.beta2",
+            "optim.eps",
+            "optim.weight_decay",
+            "optim.trust_clamp",
+            "training.steps",
+            "training.stop_at_step",
+            "training.global_batch_size",
+            "training.seed",
+            "training.val_every",
+            "training.val_sequences",
+            "data.seq_len",
+        ],
+        _SAME_NUMBER,
+    ),
+    "parallel.overlap.tp_chunks": "the TP overlap's chunk count: one code path for any count, checked "
+    "against one process with 2 and 3 (uneven) chunks in tests/parallel/test_tensor.py",
+    **dict.fromkeys(
+        [
+            "data.source",
+            "data.tokenizer",
+            "data.bpe_vocab_size",
+            "data.jsonl_field",
+            "data.cache_dir",
+            "data.val_fraction",
+            "data.verify",
+        ],
+        _DATA,
+    ),
+    **dict.fromkeys(
+        [
+            "training.device",
+            "training.threads",
+            "training.run_dir",
+            "training.log_every",
+            "training.gc_every",
+            "training.peak_tflops",
+            "checkpoint.enabled",
+            "checkpoint.every",
+            "checkpoint.keep",
+            "checkpoint.location",
+            "checkpoint.resume",
+            "checkpoint.init_from",
+            "metrics.jsonl",
+            "metrics.tensorboard",
+            "metrics.progress",
+            "metrics.timeline",
+            "metrics.straggler_ratio",
+            "metrics.straggler_window",
+            "metrics.hang_dump_s",
+            "parallel.timeout_s",
+            "parallel.store",
+        ],
+        _OUTSIDE,
+    ),
+    **dict.fromkeys(
+        [
+            "resilience.anomaly_action",
+            "resilience.anomaly_window",
+            "resilience.comm_flat_timeout_s",
+            "resilience.diagnose",
+            "resilience.diagnose_bandwidth",
+            "resilience.diagnose_timeout_s",
+            "resilience.evict_stragglers",
+            "resilience.executors",
+            "resilience.expected_allreduce_gbps",
+            "resilience.expected_alltoall_gbps",
+            "resilience.expected_gflops",
+            "resilience.hang_timeout_s",
+            "resilience.heartbeat_interval_s",
+            "resilience.heartbeat_timeout_s",
+            "resilience.job_id",
+            "resilience.loss_spike_z",
+            "resilience.max_restarts",
+            "resilience.min_speed_ratio",
+            "resilience.spares",
+            "resilience.startup_timeout_s",
+            "resilience.step_time_factor",
+            "resilience.store",
+        ],
+        _RESILIENCE,
+    ),
+    "resilience.nodes": "times nproc_per_node, `megascale launch`'s world size, which the layout divides",
+    "resilience.nproc_per_node": "times nodes, `megascale launch`'s world size, which the layout divides",
+    "resilience.nan_policy": "what a non-finite loss does, which a run matching one process never has",
+    "resilience.inject": "faults injected to rehearse recovery (tests/resilience), not a way to train",
+}
+
+
+def knob(key: str) -> Knob:
+    return next(k for k in KNOBS if k.key == key)
+
+
+def default_row() -> Row:
+    return {k.key: k.values[0] for k in KNOBS}
+
+
+def world_size(row: Mapping[str, Any]) -> int:
+    return math.prod(row[f"parallel.{name}"] for name in ("dp_replicate", "dp_shard", "tp", "pp"))
+
+
+def canonical(row: Row) -> Row:
+    """The row with every knob that does nothing in it at its default, so one combination has one form."""
+    row = dict(row)
+    for k in KNOBS:  # in declaration order: a knob's activity depends only on knobs before it
+        if not k.active(row):
+            row[k.key] = k.values[0]
+    return row
+
+
+def active_values(row: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    return [(k.key, row[k.key]) for k in KNOBS if k.active(row)]
+
+
+def tuples_of(row: Mapping[str, Any], strength: int) -> set[tuple]:
+    """The `strength`-tuples of active (knob, value) pairs a row exercises."""
+    return set(itertools.combinations(active_values(row), strength))
+
+
+@dataclass
+class Covering:
+    """Accepted combinations; for each tuple no accepted one can hold, a refused one and megascale's
+    reason; and the tuples the search could neither cover nor show refused (none, in a sound search)."""
+
+    accepted: list[Row]
+    refused: list[tuple[tuple, Row, str]]
+    missed: list[tuple]
+    strength: int
+
+
+def covering_rows(
+    refusal: Callable[[Row], str | None],
+    *,
+    strength: int = 2,
+    max_world: int = 8,
+    seed: int = 0,
+    candidates: int = 40,
+    attempts: int = 120,
+    required: tuple[Row, ...] = (),
+    cost: Callable[[Row], float] = world_size,
+    bonus: Callable[[Row, list[Row]], float] = lambda row, accepted: 0.0,
+    variant: Callable[[Row], Row] = lambda row: {},
+) -> Covering:
+    """Combinations covering every `strength`-tuple of knob values that can be active together.
+
+    `refusal(row)` is megascale's own verdict: None when it accepts the combination, else its one-line
+    reason. Rows start with the `required` ones (e.g. one of the largest layout); then, while a tuple is
+    uncovered, the first of them is fixed, with its prerequisites, and the other knobs filled at random
+    until `candidates` accepted rows of at most `max_world` processes are found (or `attempts` tried),
+    keeping the one that covers most new tuples (plus its `bonus`, given the rows taken so far) for its
+    `cost` (by default its processes); each filling is also tried with the values `variant` suggests for
+    it (the target's kept), which lets a caller steer rows towards a property its bonus rewards. A tuple no
+    accepted row was found for is refused when megascale refuses it with every other knob at its default,
+    and otherwise reported missed."""
+    rng = random.Random(seed)
+    verdicts: dict[tuple, str | None] = {}
+
+    def refused_why(row: Row) -> str | None:
+        key = tuple(row.items())
+        if key not in verdicts:
+            verdicts[key] = refusal(row)
+        return verdicts[key]
+
+    uncovered = {target for target in _wanted(strength) if can_be_active(target)}
+    accepted: list[Row] = []
+    refused: list[tuple[tuple, Row, str]] = []
+    missed: list[tuple] = []
+
+    def take(row: Row) -> None:
+        accepted.append(row)
+        uncovered.difference_update(tuples_of(row, strength))
+
+    for row in required:
+        row = canonical({**default_row(), **row})
+        if refused_why(row) is None and world_size(row) <= max_world:
+            take(row)
+    pinned = list(accepted)
+    while uncovered:
+        target = min(uncovered, key=_order)
+        best, best_score, tries = None, -1.0, 0
+        while tries < attempts and (best is None or tries < candidates):
+            tries += 1
+            filled = _fill(target, rng)
+            for row in (filled, canonical({**filled, **variant(filled), **dict(target)})):
+                if not _holds(row, target) or world_size(row) > max_world or refused_why(row) is not None:
+                    continue
+                new = len(tuples_of(row, strength) & uncovered) + bonus(row, accepted)
+                score = new / cost(row)
+                if score > best_score:
+                    best, best_score = row, score
+        if best is not None:
+            take(best)
+            continue
+        uncovered.discard(target)
+        row = _fill(target, random.Random(0), default_row())
+        reason = refused_why(row)
+        if reason is None:
+            missed.append(target)
+        else:
+            refused.append((target, row, reason))
+    return Covering(_without_redundant(accepted, strength, cost, pinned), refused, missed, strength)
+
+
+def _without_redundant(
+    rows: list[Row], strength: int, cost: Callable[[Row], float], pinned: list[Row]
+) -> list[Row]:
+    """`rows` less those whose every tuple others hold too, the costliest dropped first (a greedy set
+    cover picks early rows before the later ones make them redundant); `pinned` rows stay."""
+    kept = list(rows)
+    for row in sorted(rows, key=cost, reverse=True):
+        if any(row is pin for pin in pinned):
+            continue
+        others = [other for other in kept if other is not row]
+        held = set().union(*(tuples_of(other, strength) for other in others))
+        if tuples_of(row, strength) <= held:
+            kept = others
+    return kept
+
+
+def _wanted(strength: int) -> set[tuple]:
+    wanted = set()
+    for knobs in itertools.combinations(KNOBS, strength):
+        for values in itertools.product(*(k.values for k in knobs)):
+            wanted.add(tuple(zip((k.key for k in knobs), values)))
+    return wanted
+
+
+def _order(item: tuple) -> tuple:
+    return tuple((key, repr(value)) for key, value in item)
+
+
+def _fill(target: tuple, rng: random.Random, base: Row | None = None) -> Row:
+    """A row holding `target`'s values with their prerequisites (a pipeline for a pipeline knob, ...), the
+    other knobs from `base`, or random with the layout biased towards few processes; canonical."""
+    row = dict(base) if base is not None else {k.key: rng.choice(k.values) for k in KNOBS}
+    if base is None:
+        for key in ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp"):
+            row[key] = 1 if rng.random() < 0.5 else 2
+    row.update(dict(target))
+    # Knobs the target needs active pull their prerequisites in: a pipeline for pipeline knobs, and so on.
+    for _ in range(3):
+        for key, _ in target:
+            if not knob(key).active(row):
+                _activate(row, key, rng)
+        row.update(dict(target))
+    return canonical(row)
+
+
+_PREREQUISITES: dict[str, dict[str, Any]] = {
+    "parallel.pp_schedule": {"parallel.pp": 2},
+    "parallel.pp_virtual_stages": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"},
+    "parallel.pp_split": {"parallel.pp": 2},
+    "parallel.overlap.pp": {"parallel.pp": 2},
+    "parallel.sequence_parallel": {"parallel.tp": 2},
+    "parallel.overlap.tp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+}
+
+
+def _activate(row: Row, key: str, rng: random.Random) -> None:
+    row.update(_PREREQUISITES.get(key, {}))
+    if key == "parallel.overlap.pp" and row["parallel.pp_schedule"] == "gpipe":
+        row["parallel.pp_schedule"] = rng.choice(("1f1b", "interleaved_1f1b"))
+    if key in ("parallel.zero_stage", "parallel.overlap.dp", "parallel.rank_order") and not _dp(row):
+        row[rng.choice(("parallel.dp_replicate", "parallel.dp_shard"))] = 2
+    if key == "parallel.rank_order":
+        row["parallel.pp"] = 2
+    if key == "data.share_per_node" and not (_pp(row) or _tp(row)):
+        row[rng.choice(("parallel.tp", "parallel.pp"))] = 2
+
+
+def can_be_active(target: tuple) -> bool:
+    """Whether the (knob, value) pairs of `target` can all do something in one combination (GPipe's and
+    the pipeline overlap's cannot: GPipe has no overlap to switch)."""
+    return _holds(_fill(target, random.Random(0), default_row()), target)
+
+
+def _holds(row: Mapping[str, Any], target: tuple) -> bool:
+    """Whether the row has the tuple's values, each knob active."""
+    active = dict(active_values(row))
+    return all(key in active and active[key] == value for key, value in target)

@@ -1,0 +1,68 @@
+"""Resuming with a changed config: each change said and applied, or refused when it would be ignored."""
+
+import pytest
+
+from megascale.checkpoint.checkpointer import list_checkpoints
+from megascale.cli import main
+from megascale.errors import ConfigError
+from megascale.optim import lr_factor
+from megascale.trainer import Trainer
+from tests.conftest import tiny_args
+
+
+def test_a_longer_schedule_and_a_new_peak_lr_are_said_and_applied_from_the_resumed_step(
+    tiny_config, tmp_path
+):
+    Trainer(tiny_config("--training.steps=4")).train()
+    resumed = Trainer(tiny_config("--training.steps=8", "--optim.lr=0.001"))
+    assert resumed.step == 4
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "resumed with settings changed since step 4: optim.lr 0.003 -> 0.001; training.steps 4 -> 8" in log
+    schedule = dict(warmup_steps=2, total_steps=8, decay="cosine", min_lr_ratio=0.1)
+    for optimizer in resumed.optimizers:
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(0.001 * lr_factor(4, **schedule))
+    resumed.train()
+    assert resumed.lr_schedulers[0].get_last_lr()[0] == pytest.approx(0.001 * lr_factor(8, **schedule))
+
+
+def test_another_optimizer_is_refused_on_resume(tiny_config):
+    Trainer(tiny_config("--training.steps=3")).train()
+    with pytest.raises(ConfigError, match=r"optim\.name = 'lamb', but the run .* was trained with 'adamw'"):
+        Trainer(tiny_config("--training.steps=6", "--optim.name=lamb"))
+
+
+def test_an_import_into_a_run_directory_of_another_run_is_refused(tiny_config, tmp_path):
+    source = Trainer(tiny_config("--training.steps=3", run_dir=tmp_path / "imported"))
+    imported = source.save_checkpoint(blocking=True)
+    source.close()
+    Trainer(tiny_config("--training.steps=3")).train()  # the directory's own run, not started from it
+    with pytest.raises(
+        ConfigError, match=r"already holds checkpoints \(up to step 3\) of a run that did not"
+    ):
+        Trainer(tiny_config(f"--checkpoint.init_from={imported}"))
+
+
+def test_a_run_started_from_an_import_resumes_from_its_own_checkpoints(tiny_config, tmp_path):
+    source = Trainer(tiny_config("--training.steps=3", run_dir=tmp_path / "imported"))
+    imported = source.save_checkpoint(blocking=True)
+    source.close()
+    first = Trainer(tiny_config("--training.stop_at_step=2", f"--checkpoint.init_from={imported}"))
+    first.train()
+    again = Trainer(tiny_config(f"--checkpoint.init_from={imported}"))
+    assert again.step == 2
+    assert (
+        "checkpoint.init_from is read only when a run starts" in (tmp_path / "run" / "train.log").read_text()
+    )
+    again.close()
+
+
+def test_a_run_already_past_its_steps_says_there_is_nothing_to_train(tiny_corpus, tmp_path):
+    args = tiny_args(tiny_corpus, tmp_path / "run", tmp_path / "data", "--training.steps=4")
+    assert main(["train", *args]) == 0
+    assert main(["train", *args, "--training.steps=2"]) == 0
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert (
+        "nothing to train: the run in" in log and "is already at step 4, and training ends at step 2" in log
+    )
+    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")][-1] == 4

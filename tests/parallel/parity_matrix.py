@@ -1,0 +1,455 @@
+"""The config-space parity matrix: each combination of a covering set of knob values
+(megascale/config_space.py) trains under its layout and is compared with one process on the same tokens;
+each combination megascale cannot support must be refused by its validation, before any process exists.
+
+A combination runs 10 steps on its own processes (forked from this one, as tests/parallel/multiprocess.py
+does), saving checkpoints at steps 5 and 10 and validating at both. It matches when, against one process
+training the same model with the same sequences per step (one micro-batch, no parallelism, no overlap, no
+activation checkpointing, no compilation), every step's loss is within the tolerance, every step's
+gradient norm within it relatively, and both validation losses within it. After the first combination
+of each layout (pipeline, data-parallel and tensor-parallel degrees), and after its first one with a
+Llama model:
+- its step-5 checkpoint, resumed on one process, trains steps 6-10 within the tolerance of the reference;
+- its step-10 checkpoint exported to Hugging Face (`megascale convert --to hf`) gives the logits of the same
+  checkpoint loaded into one megascale process, within 1e-5, in transformers' LlamaForCausalLM; a model
+  with no Llama equivalent must be refused by the export instead, naming the field.
+
+    python -m tests.parallel.parity_matrix                # every pair of knob values (CI runs this set)
+    python -m tests.parallel.parity_matrix --strength 3   # every triple: the full matrix, before a release
+
+Each writes a Markdown table (docs/parity/) and the same results as JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import shutil
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._inductor.compile_fx  # noqa: F401 (imported before the ranks are forked: no rank imports them
+import transformers  # again, which costs seconds each)
+
+from megascale import config_space
+from megascale.config import JobConfig, load_config
+from megascale.config_space import Covering, Row
+from megascale.convert import export_hf, resolve_checkpoint
+from megascale.errors import ConfigError
+from megascale.models.llama import Transformer
+from megascale.observe.metrics import read_metrics
+from megascale.parallel.dims import ParallelDims
+from megascale.trainer import Trainer, load_model_weights
+from tests.parallel.multiprocess import run_ranks
+
+STEPS, SAVE_AT, GLOBAL_BATCH = 10, 5, 8
+EXPORT_ATOL = 1e-5
+# 8 sequences per step, so that a step is whole micro-batches on up to 4 data-parallel ranks; 6
+# validation sequences, which no layout of 4 data-parallel ranks divides evenly. Two layers (`layers`).
+BASE = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.attention.n_heads=4",
+    "--model.max_seq_len=32",
+    "--data.seq_len=32",
+    "--data.val_fraction=0.1",
+    f"--training.global_batch_size={GLOBAL_BATCH}",
+    f"--training.micro_batch_size={GLOBAL_BATCH}",  # the reference's: one micro-batch (rows set their own)
+    "--parallel.overlap.tp_chunks=2",  # the fewest: tensor parallelism's small collectives cost most here
+    f"--training.steps={STEPS}",
+    f"--training.val_every={SAVE_AT}",
+    "--training.val_sequences=6",
+    "--training.log_every=1",
+    "--training.peak_tflops=0.1",
+    "--optim.warmup_steps=2",
+    f"--checkpoint.every={SAVE_AT}",
+    "--checkpoint.keep=3",
+    "--metrics.progress=false",
+    "--metrics.tensorboard=false",
+    "--training.threads=1",  # processes share the cores: one thread each
+]
+# For the one-process runs, which only need their losses: no checkpoints written, no timeline recorded.
+QUIET = ("--checkpoint.enabled=false", "--metrics.timeline=false")
+# The knobs that say *which* model is trained; every other knob only says how, and the reference leaves it
+# at its default (one process, one micro-batch of the whole step).
+MODEL_KNOBS = ("model.", "optim.", "training.dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    loss: float  # absolute, on every step's loss and on the validation losses
+    grad_norm: float  # relative, on every step's gradient norm
+
+
+# float32: a few ulps at a loss of about 5, after 10 steps. bfloat16 autocast: its 8-bit mantissa rounds
+# each matmul's output, and layouts that split a sum differently (TP, the TP overlap's chunks, accumulated
+# micro-batches) round differently; the bound is an order above the largest difference seen in the matrix.
+TOLERANCES = {"float32": Tolerance(1e-4, 1e-4), "bfloat16": Tolerance(5e-3, 1e-1)}
+
+
+def layers(row: Row) -> int:
+    """The model's depth for `row`: 2 layers, the least every layout needs, and 4 where two pipeline ranks
+    hold two virtual stages each (tensor parallelism's collectives, per layer, are most of a row's time)."""
+    return 4 if row["parallel.pp_virtual_stages"] > 1 else 2
+
+
+def arguments(row: Row, depth: int | None = None) -> list[str]:
+    """`row` as --key=value overrides (an unset value as an empty one), and the model's depth: its own, or
+    `depth` (a reference takes its row's)."""
+    flags = [f"--{key}={'' if value is None else value}" for key, value in row.items()]
+    return [*flags, f"--model.n_layers={depth or layers(row)}"]
+
+
+def reference_row(row: Row) -> Row:
+    """The one-process job `row` is compared with: its model knobs, every other knob at its default but
+    the micro-batch, which is the whole step."""
+    reference = config_space.default_row()
+    reference.update({key: value for key, value in row.items() if key.startswith(MODEL_KNOBS)})
+    reference["training.micro_batch_size"] = GLOBAL_BATCH
+    return reference
+
+
+@functools.cache
+def _base_config() -> JobConfig:
+    return load_config(None, BASE)
+
+
+def _config_of(row: Row) -> JobConfig:
+    """`BASE` with `row`'s values and depth, unchecked. One object, reused: every row sets every knob."""
+    cfg = _base_config()
+    for key, value in row.items():
+        *path, name = key.split(".")
+        setattr(functools.reduce(getattr, path, cfg), name, value)
+    cfg.model.n_layers = layers(row)
+    return cfg
+
+
+def refusal(row: Row) -> str | None:
+    """megascale's verdict on `row` before any process exists: None, or its one-line refusal (what
+    `load_config` and the launcher's layout check say of `BASE` with `row`'s values)."""
+    try:
+        cfg = _config_of(row)
+        cfg.check_rules()  # the knobs' values are in their fields' ranges (tests/test_config_space.py)
+        ParallelDims.from_config(cfg, world_size=config_space.world_size(row))
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def estimated_cost(row: Row) -> float:
+    """Roughly the seconds a combination takes here, from runs of the every-pair set: a fixed part (the
+    reference, the resume, the export), a part per process, one per forward and backward under tensor
+    parallelism (its many small collectives), and torch.compile's first compilation of the model in
+    each process."""
+    data_parallel = row["parallel.dp_replicate"] * row["parallel.dp_shard"]
+    passes = max(1, GLOBAL_BATCH // data_parallel // row["training.micro_batch_size"])
+    processes = config_space.world_size(row)
+    tensor_parallel = 0.5 * processes * passes if row["parallel.tp"] > 1 else 0.0
+    compiling = 12 * processes if row["training.compile"] else 0  # each process compiles, sharing 2 cores
+    return 2 + 3 * processes + tensor_parallel + compiling
+
+
+def layout(row: Row) -> tuple[int, ...]:
+    return tuple(row[f"parallel.{name}"] for name in ("dp_replicate", "dp_shard", "tp", "pp"))
+
+
+# The model knobs' values of a Hugging Face Llama: the rows `megascale convert --to hf` must export (and
+# every other must be refused by it; `compare` checks both).
+LLAMA = {
+    "model.block": "serial",
+    "model.norm": "rmsnorm",
+    "model.mlp": "swiglu",
+    "model.position": "rope",
+    "model.attention.window": None,
+}
+
+
+def exportable(row: Row) -> bool:
+    return all(row[key] == value for key, value in LLAMA.items())
+
+
+def export_bonus(row: Row, taken: list[Row]) -> float:
+    """Worth ten more pairs to the covering set: a Llama model in a layout no Llama row has yet, so that
+    the export is checked after a run of every layout the set holds (rows are tried as Llamas too)."""
+    exported = {layout(other) for other in taken if exportable(other)}
+    return 10.0 if exportable(row) and layout(row) not in exported else 0.0
+
+
+def covering(strength: int) -> Covering:
+    """The covering set the matrix runs; one of the largest layouts always among it."""
+    largest = {
+        "parallel.dp_shard": 2,
+        "parallel.tp": 2,
+        "parallel.pp": 2,
+        "parallel.pp_schedule": "interleaved_1f1b",
+        "parallel.pp_virtual_stages": 2,
+        "training.micro_batch_size": 1,
+    }
+    return config_space.covering_rows(
+        refusal,
+        strength=strength,
+        required=(largest,),
+        cost=estimated_cost,
+        bonus=export_bonus,
+        variant=lambda row: LLAMA,
+    )
+
+
+def describe(row: Row) -> str:
+    """The knobs of `row` that are active and not at their default, as flags without the dashes."""
+    defaults = config_space.default_row()
+    changed = [f"{key}={value}" for key, value in config_space.active_values(row) if value != defaults[key]]
+    return " ".join(changed) or "(all defaults)"
+
+
+# -- what the processes run --------------------------------------------------------------------------------
+def train(rank: int, world_size: int, args: list[str]) -> list[dict[str, Any]] | None:
+    """Train the job of `args` to the end; rank 0 returns its metrics records."""
+    cfg = load_config(None, args)
+    Trainer(cfg).train()
+    return read_metrics(cfg.training.run_dir) if rank == 0 else None
+
+
+def resume_and_export(rank: int, world_size: int, args: list[str], saved: Path, work: Path) -> dict[str, Any]:
+    """On one process: resume the step-SAVE_AT checkpoint of `saved` to the end (the records of the steps it
+    took), and export the newest checkpoint to Hugging Face (the largest logit difference, or the export's
+    refusal)."""
+
+    resumed_dir = work / "resumed"
+    checkpoint = saved / "checkpoints" / f"step-{SAVE_AT:08d}"
+    shutil.copytree(checkpoint, resumed_dir / "checkpoints" / checkpoint.name)
+    cfg = load_config(None, [*args, *QUIET, f"--training.run_dir={resumed_dir}"])
+    Trainer(cfg).train()
+    outcome: dict[str, Any] = {"resumed": read_metrics(resumed_dir)}
+
+    try:
+        export_hf(saved, work / "hf")
+    except ConfigError as err:
+        outcome["export"] = str(err)
+        return outcome
+    newest = resolve_checkpoint(saved)
+    model = Transformer(cfg.model)
+    load_model_weights(newest, model)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(work / "hf", attn_implementation="eager")
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (2, cfg.data.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        ours, theirs = model.eval()(tokens), hf_model.eval()(tokens).logits
+    outcome["export"] = float((ours - theirs).abs().max())
+    return outcome
+
+
+# -- comparing ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Result:
+    row: Row
+    processes: int
+    status: str  # "matched", "MISMATCH", "CRASH" or "refused"
+    loss: float = math.nan  # largest |loss - reference| over the steps
+    grad_norm: float = math.nan  # largest |grad norm / reference - 1|
+    val_loss: float = math.nan  # largest |validation loss - reference|
+    resumed: float = math.nan  # largest |loss - reference| over the steps resumed on one process
+    export: float | str = math.nan  # largest |logit difference| of the export, or its refusal
+    seconds: float = 0.0
+    message: str = ""  # the refusal, the crash, or what did not match
+
+
+def _by_step(records: list[dict[str, Any]], key: str) -> dict[int, float]:
+    return {record["step"]: float(record[key]) for record in records if key in record}
+
+
+def _largest(got: dict[int, float], want: dict[int, float], relative: bool = False) -> float:
+    if sorted(got) != sorted(want):
+        return math.inf
+    deltas = [abs(got[s] / want[s] - 1) if relative else abs(got[s] - want[s]) for s in want]
+    return max(deltas, default=0.0)
+
+
+def compare(row: Row, got: list[dict], reference: list[dict], after: dict[str, Any] | None) -> Result:
+    """`row`'s run against its reference, and (`after`, when it was made) its checkpoint resumed on one
+    process and exported."""
+    tolerance = TOLERANCES[row["training.dtype"]]
+    result = Result(row, config_space.world_size(row), "matched")
+    result.loss = _largest(_by_step(got, "loss"), _by_step(reference, "loss"))
+    result.grad_norm = _largest(_by_step(got, "grad_norm"), _by_step(reference, "grad_norm"), relative=True)
+    result.val_loss = _largest(_by_step(got, "val_loss"), _by_step(reference, "val_loss"))
+    checks = [
+        ("loss", result.loss, tolerance.loss),
+        ("grad norm", result.grad_norm, tolerance.grad_norm),
+        ("val loss", result.val_loss, tolerance.loss),
+    ]
+    failures = []
+    if after is not None:
+        later = {step: loss for step, loss in _by_step(reference, "loss").items() if step > SAVE_AT}
+        result.resumed = _largest(_by_step(after["resumed"], "loss"), later)
+        checks.append(("resumed loss", result.resumed, tolerance.loss))
+        result.export = after["export"]
+        if isinstance(result.export, float) and not result.export <= EXPORT_ATOL:
+            failures.append(f"export logits {result.export:.2e} > {EXPORT_ATOL:.0e}")
+        if isinstance(result.export, str) and exportable(row):
+            failures.append(f"the export of a Llama model was refused: {result.export}")
+        if isinstance(result.export, float) and not exportable(row):
+            failures.append("a model with no Llama equivalent was exported")
+        if isinstance(result.export, str) and "model." not in result.export:
+            failures.append(f"export refused without naming a model field: {result.export}")
+    failures += [f"{name} {value:.2e} > {bound:.0e}" for name, value, bound in checks if not value <= bound]
+    if failures:
+        result.status, result.message = "MISMATCH", "; ".join(failures)
+    return result
+
+
+class Matrix:
+    """Runs rows against one-process references, each reference trained once per model. A layout's first
+    row is also resumed on one process and exported, and so is its first Llama row."""
+
+    def __init__(self, corpus: Path, work: Path):
+        self.corpus, self.work = corpus, work
+        self.references: dict[tuple, list[dict]] = {}
+        self.resumed: set[tuple] = set()  # layouts whose checkpoint was resumed on one process
+        self.exported: set[tuple] = set()  # layouts whose Llama checkpoint was exported
+
+    def job(self, run_dir: Path, row: Row, depth: int, *extra: str) -> list[str]:
+        return [
+            *BASE,
+            *arguments(row, depth),
+            f"--data.source={self.corpus}",
+            f"--data.cache_dir={self.work / 'data'}",
+            f"--training.run_dir={run_dir}",
+            *extra,
+        ]
+
+    def reference(self, row: Row) -> list[dict]:
+        reference, depth = reference_row(row), layers(row)
+        key = (*reference.items(), depth)
+        if key not in self.references:
+            run_dir = self.work / f"reference-{len(self.references)}"
+            args = self.job(run_dir, reference, depth, *QUIET)
+            self.references[key] = run_ranks(train, 1, args, timeout_s=300)[0]
+        return self.references[key]
+
+    def run(self, index: int, row: Row) -> Result:
+        started = time.perf_counter()
+        processes, place = config_space.world_size(row), layout(row)
+        try:
+            reference = self.reference(row)
+            run_dir = self.work / f"row-{index}"
+            got = run_ranks(train, processes, self.job(run_dir, row, layers(row)), timeout_s=500)[0]
+            after = None
+            if place not in self.resumed or (exportable(row) and place not in self.exported):
+                one_process = self.job(run_dir, reference_row(row), layers(row))
+                work = self.work / f"after-{index}"
+                after = run_ranks(resume_and_export, 1, one_process, run_dir, work, timeout_s=300)[0]
+                self.resumed.add(place)
+                self.exported |= {place} if exportable(row) else set()
+            result = compare(row, got, reference, after)
+        except AssertionError as err:  # a rank failed or hung: run_ranks says which, with its traceback
+            result = Result(row, processes, "CRASH", message=_last_error(str(err)))
+        result.seconds = time.perf_counter() - started
+        return result
+
+
+def _last_error(report: str) -> str:
+    lines = [line for line in report.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else report
+
+
+def refused_results(cover: Covering) -> list[Result]:
+    return [
+        Result(row, config_space.world_size(row), "refused", message=why) for _, row, why in cover.refused
+    ]
+
+
+# -- the table ------------------------------------------------------------------------------------------
+def _figure(value: float | str) -> str:
+    if isinstance(value, str):
+        return "refused"
+    return "-" if math.isnan(value) else f"{value:.1e}"
+
+
+COLUMNS = ("#", "processes", "knobs (active, not default)", "result", "loss", "grad norm", "val loss")
+COLUMNS += ("resumed", "export", "s")
+
+
+def render(results: list[Result], cover: Covering, command: str) -> str:
+    """The Markdown table of a matrix run: what was compared, then every combination and every refusal."""
+    ran = [r for r in results if r.status != "refused"]
+    count = {status: sum(r.status == status for r in results) for status in ("matched", "MISMATCH", "CRASH")}
+    bounds = "; ".join(
+        f"{dtype}: {t.loss:.0e} on losses, {t.grad_norm:.0e} relative on the gradient norm"
+        for dtype, t in TOLERANCES.items()
+    )
+    preamble = (
+        f"Made by `{command}` (tests/parallel/parity_matrix.py) from the knobs and values of "
+        "`megascale/config_space.py`. Each accepted combination trained 10 steps under its layout and was "
+        "compared with one process training the same model on the same sequences. Columns: the largest "
+        "|loss delta| over the steps; the largest relative gradient-norm delta; the largest |validation "
+        "loss delta| (steps 5 and 10); the largest |loss delta| of its step-5 checkpoint resumed on one "
+        "process (steps 6-10); the largest |logit delta| of its step-10 checkpoint exported to Hugging Face "
+        "against the same checkpoint on one process (`refused`: the model has no Llama equivalent, and "
+        f"the export said so, naming the field). Bounds: {bounds}; the export {EXPORT_ATOL:.0e}. "
+        f"{len(ran)} combinations ran: {count['matched']} matched, {count['MISMATCH']} mismatched, "
+        f"{count['CRASH']} crashed; {len(results) - len(ran)} were refused by validation. They took "
+        f"{sum(r.seconds for r in ran) / 60:.0f} minutes on a 2-core CPU (gloo, torch 2.13.0+cpu)."
+    )
+    title = f"# Parity matrix: every {'pair' if cover.strength == 2 else 'triple'} of knob values"
+    lines = [title, "", textwrap.fill(preamble, 110), ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|---:|---:|---|---|" + "---:|" * 6]
+    for index, r in enumerate(ran):
+        status = r.status if r.status == "matched" else f"**{r.status}**: {r.message}"
+        figures = [_figure(value) for value in (r.loss, r.grad_norm, r.val_loss, r.resumed, r.export)]
+        cells = [str(index), str(r.processes), f"`{describe(r.row)}`", status, *figures, f"{r.seconds:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Refused", "", "| combination | processes | megascale's refusal |", "|---|---:|---|"]
+    for r in results:
+        if r.status == "refused":
+            lines.append(f"| `{describe(r.row)}` | {r.processes} | {r.message} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strength", type=int, default=2, choices=(2, 3), help="pairs (2) or triples (3)")
+    parser.add_argument("--out", type=Path, help="the Markdown table (default docs/parity/strength-N.md)")
+    args = parser.parse_args(argv)
+    out = args.out or Path("docs/parity") / f"{'pairs' if args.strength == 2 else 'triples'}.md"
+    cover = covering(args.strength)
+    print(f"{len(cover.accepted)} combinations to run, {len(cover.refused)} refused", flush=True)
+    results = refused_results(cover)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        corpus = _corpus(work / "corpus")
+        matrix = Matrix(corpus, work)
+        for index, row in enumerate(cover.accepted):
+            result = matrix.run(index, row)
+            results.append(result)
+            print(
+                f"{index:3d} {result.status:8s} {result.seconds:5.0f}s {describe(row)} {result.message}",
+                flush=True,
+            )
+    command = "python -m tests.parallel.parity_matrix" + (" --strength 3" if args.strength == 3 else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results, cover, command))
+    out.with_suffix(".json").write_text(
+        json.dumps([{**dataclasses.asdict(r), "export": r.export} for r in results], indent=1, default=str)
+    )
+    print(f"wrote {out}")
+    return 0 if all(r.status in ("matched", "refused") for r in results) else 1
+
+
+def _corpus(root: Path) -> Path:
+    from tests.conftest import write_tiny_corpus
+
+    return write_tiny_corpus(root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

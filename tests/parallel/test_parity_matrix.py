@@ -1,0 +1,43 @@
+"""The parity matrix's every-pair set in the suite: each accepted combination trains the model of one process
+(losses, gradient norms, validation, resume on one process, Hugging Face export), and each refused one is
+refused by `megascale train` in one line, before any process starts. The runner and what it compares are
+in tests/parallel/parity_matrix.py; `python -m tests.parallel.parity_matrix` writes the same set's table."""
+
+import pytest
+
+from megascale import config_space
+from megascale.cli import main
+from tests.parallel.parity_matrix import BASE, Matrix, arguments, covering, describe
+
+COVER = covering(2)
+
+
+@pytest.fixture(scope="module")
+def matrix(tiny_corpus, tmp_path_factory):
+    return Matrix(tiny_corpus, tmp_path_factory.mktemp("matrix"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "index",
+    range(len(COVER.accepted)),
+    ids=[f"{i}-{config_space.world_size(row)}proc" for i, row in enumerate(COVER.accepted)],
+)
+def test_a_combination_trains_the_model_of_one_process(matrix, index):
+    row = COVER.accepted[index]
+    result = matrix.run(index, row)
+    print(
+        f"{describe(row)}: {result.status}; loss {result.loss:.1e}, grad norm {result.grad_norm:.1e}, "
+        f"val loss {result.val_loss:.1e}, resumed {result.resumed:.1e}, export {result.export}"
+    )
+    assert result.status == "matched", result.message
+
+
+@pytest.mark.parametrize("index", range(len(COVER.refused)))
+def test_a_combination_megascale_cannot_support_is_refused_before_any_process_starts(index, capsys):
+    pair, row, reason = COVER.refused[index]
+    processes = config_space.world_size(row)
+    assert main(["train", "--nproc", str(processes), *BASE, *arguments(row)]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == f"error: {reason}", pair
+    assert "\n" not in said and any(key in said for key, _ in pair)

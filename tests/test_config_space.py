@@ -1,0 +1,48 @@
+"""The configuration space is one contract: every field is a knob of the parity matrix or says why it cannot
+change the step, and the matrix's covering set holds every pair of knob values or shows it refused."""
+
+import itertools
+
+from megascale import config_space
+from megascale.config import all_keys, load_config
+from tests.parallel.parity_matrix import covering
+
+
+def get_key(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_every_config_field_is_a_knob_or_says_why_it_cannot_change_the_step():
+    knobs = [knob.key for knob in config_space.KNOBS]
+    assert len(knobs) == len(set(knobs))
+    assert not set(knobs) & set(config_space.NEUTRAL)
+    unclassified = set(all_keys()) - set(knobs) - set(config_space.NEUTRAL)
+    assert not unclassified, f"add these fields to config_space.KNOBS or NEUTRAL: {sorted(unclassified)}"
+    assert not (set(knobs) | set(config_space.NEUTRAL)) - set(all_keys())  # no stale entries
+
+
+def test_a_knobs_values_are_values_its_field_accepts():
+    for knob in config_space.KNOBS:
+        for value in knob.values:
+            cfg = load_config(None, [f"--{knob.key}={'' if value is None else value}"])
+            assert get_key(cfg, knob.key) == value
+
+
+def test_the_covering_set_holds_every_pair_of_values_or_shows_it_refused():
+    cover = covering(2)
+    assert not cover.missed
+    held = set()
+    for row in cover.accepted:
+        held |= config_space.tuples_of(row, 2)
+    for target, row, reason in cover.refused:
+        assert config_space.tuples_of(row, 2) >= {target}
+        # One line, naming a knob of the pair it refuses and how to fix it.
+        assert "\n" not in reason and any(key in reason for key, _ in target), (target, reason)
+        held.add(target)
+    for first, second in itertools.combinations(config_space.KNOBS, 2):
+        for a, b in itertools.product(first.values, second.values):
+            pair = ((first.key, a), (second.key, b))
+            if config_space.can_be_active(pair):
+                assert pair in held, pair
