@@ -50,6 +50,9 @@ class Knob:
     key: str
     values: tuple
     active: Callable[[Mapping[str, Any]], bool] = lambda row: True
+    # A knob whose other values are costly to run (compiling): combinations take them only where a tuple
+    # they are built for asks, so that few combinations pay.
+    costly: bool = False
 
 
 # Layout knobs first: the others' activity depends on them.
@@ -85,7 +88,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("optim.grad_clip", (0.5, None)),
     Knob("training.micro_batch_size", (2, 1, 4)),
     Knob("training.dtype", ("float32", "bfloat16")),
-    Knob("training.compile", (False, True)),
+    Knob("training.compile", (False, True), costly=True),
     Knob("data.share_per_node", (True, False), lambda row: _pp(row) or _tp(row)),
     Knob("data.prefetch", (1, 0)),
     Knob("checkpoint.async_save", (True, False)),
@@ -258,8 +261,9 @@ def covering_rows(
     """Combinations covering every `strength`-tuple of knob values that can be active together.
 
     `refusal(row)` is megascale's own verdict: None when it accepts the combination, else its one-line
-    reason. Rows start with the `required` ones (e.g. one of the largest layout); then, while a tuple is
-    uncovered, the first of them is fixed, with its prerequisites, and the other knobs filled at random
+    reason. Rows start with the `required` ones (e.g. one of one process); then, while a tuple is
+    uncovered, the one whose cheapest row costs most is fixed, with its prerequisites, and the other
+    knobs filled at random
     until `candidates` accepted rows of at most `max_world` processes are found (or `attempts` tried),
     keeping the one that covers most new tuples (plus its `bonus`, given the rows taken so far) for its
     `cost` (by default its processes); each filling is also tried with the values `variant` suggests for
@@ -275,7 +279,11 @@ def covering_rows(
             verdicts[key] = refusal(row)
         return verdicts[key]
 
-    uncovered = {target for target in _wanted(strength) if can_be_active(target)}
+    uncovered = {target for target in wanted(strength) if can_be_active(target)}
+    # The tuples that need the costliest rows (the largest layouts, a compilation) are targeted first: their
+    # rows then take many cheap tuples along, instead of being added late for one tuple each.
+    least_cost = {target: cost(_fill(target, random.Random(0), default_row())) for target in uncovered}
+    cheapest = min(least_cost.values(), default=1.0)
     accepted: list[Row] = []
     refused: list[tuple[tuple, Row, str]] = []
     missed: list[tuple] = []
@@ -290,9 +298,12 @@ def covering_rows(
             take(row)
     pinned = list(accepted)
     while uncovered:
-        target = min(uncovered, key=_order)
+        target = min(uncovered, key=lambda item: (-least_cost[item], _order(item)))
         best, best_score, tries = None, -1.0, 0
-        while tries < attempts and (best is None or tries < candidates):
+        # A costly row is searched harder (up to 10 times), so that few rows pay that much.
+        effort = min(10, round(least_cost[target] / cheapest))
+        effort = 10 if any(knob(key).costly for key, _ in target) else effort
+        while tries < attempts * effort and (best is None or tries < candidates * effort):
             tries += 1
             filled = _fill(target, rng)
             for row in (filled, canonical({**filled, **variant(filled), **dict(target)})):
@@ -312,7 +323,44 @@ def covering_rows(
             missed.append(target)
         else:
             refused.append((target, row, reason))
-    return Covering(_without_redundant(accepted, strength, cost, pinned), refused, missed, strength)
+    rows = _without_redundant(accepted, strength, cost, pinned)
+    rows = _cheapened(rows, strength, cost, pinned, lambda row: refused_why(row) is None, max_world)
+    return Covering(rows, refused, missed, strength)
+
+
+def _cheapened(
+    rows: list[Row],
+    strength: int,
+    cost: Callable[[Row], float],
+    pinned: list[Row],
+    accepted: Callable[[Row], bool],
+    max_world: int,
+) -> list[Row]:
+    """Each row (the costliest first) replaced, while one exists, by a cheaper accepted one that differs in
+    one knob and still holds every tuple no other row holds: a local search after the greedy cover, which
+    drops what a row paid for early and no longer needs (a compilation, a larger layout)."""
+    rows = list(rows)
+    improved = True
+    while improved:
+        improved = False
+        for index in sorted(range(len(rows)), key=lambda i: cost(rows[i]), reverse=True):
+            row = rows[index]
+            if any(row is pin for pin in pinned):
+                continue
+            held_elsewhere = set().union(*(tuples_of(other, strength) for other in rows if other is not row))
+            unique = tuples_of(row, strength) - held_elsewhere
+            for knob_ in KNOBS:
+                for value in knob_.values:
+                    changed = canonical({**row, knob_.key: value})
+                    if (
+                        cost(changed) < cost(row)
+                        and world_size(changed) <= max_world
+                        and tuples_of(changed, strength) >= unique
+                        and accepted(changed)
+                    ):
+                        row, improved = changed, True
+            rows[index] = row
+    return rows
 
 
 def _without_redundant(
@@ -331,7 +379,8 @@ def _without_redundant(
     return kept
 
 
-def _wanted(strength: int) -> set[tuple]:
+def wanted(strength: int) -> set[tuple]:
+    """Every `strength`-tuple of values of distinct knobs, active together or not."""
     wanted = set()
     for knobs in itertools.combinations(KNOBS, strength):
         for values in itertools.product(*(k.values for k in knobs)):
@@ -346,7 +395,11 @@ def _order(item: tuple) -> tuple:
 def _fill(target: tuple, rng: random.Random, base: Row | None = None) -> Row:
     """A row holding `target`'s values with their prerequisites (a pipeline for a pipeline knob, ...), the
     other knobs from `base`, or random with the layout biased towards few processes; canonical."""
-    row = dict(base) if base is not None else {k.key: rng.choice(k.values) for k in KNOBS}
+    row = (
+        dict(base)
+        if base is not None
+        else {k.key: k.values[0] if k.costly else rng.choice(k.values) for k in KNOBS}
+    )
     if base is None:
         for key in ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp"):
             row[key] = 1 if rng.random() < 0.5 else 2

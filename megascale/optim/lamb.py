@@ -8,7 +8,11 @@ rescaled so that its step size is proportional to the tensor's own norm:
     trust = ||w|| / ||u||  (1.0 if either norm is 0, at most trust_clamp if set),
     w <- w - lr * trust * u.
 
-Both norms come from one hook, `Lamb.tensor_norms`, so a sharded run can supply global norms there.
+Both norms are of the whole tensors. Under FSDP2 or tensor parallelism the weights are DTensors, and
+torch.linalg.vector_norm of each would reduce it over its shards on its own: two collectives per tensor and
+step, most of a small sharded model's step on CPU. `global_norms` sums the shards' squares of every tensor
+sharded alike in one all-reduce per mesh dimension instead, and the elementwise Adam arithmetic runs on the
+shards themselves (`Lamb._adam_update`).
 State keys are those of torch's Adam ("step", "exp_avg", "exp_avg_sq"), so
 torch.distributed.checkpoint's get_state_dict/set_state_dict treat LAMB like AdamW.
 """
@@ -16,9 +20,9 @@ torch.distributed.checkpoint's get_state_dict/set_state_dict treat LAMB like Ada
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
-
-from megascale.parallel.tensor import full_tensor
+from torch.distributed.tensor import DTensor
 
 
 class Lamb(torch.optim.Optimizer):
@@ -49,18 +53,6 @@ class Lamb(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
-    def tensor_norms(self, weights: list[Tensor], updates: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """The hook for sharded runs: per-tensor L2 norms of `weights` and `updates`.
-
-        Returns two 1-D tensors of len(weights), entry i the norm of the whole (unsharded) tensor i.
-        torch.linalg.vector_norm of a DTensor (FSDP2 / TP parameters) already reduces over all shards,
-        so this default is global for DTensors too; it issues one collective per tensor, and a subclass
-        may override it to batch those reductions into one all-reduce.
-        """
-        weight_norms = torch.stack([full_tensor(torch.linalg.vector_norm(w)) for w in weights])
-        update_norms = torch.stack([full_tensor(torch.linalg.vector_norm(u)) for u in updates])
-        return weight_norms, update_norms
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One LAMB update of every parameter that has a gradient; parameters without one are skipped."""
@@ -68,26 +60,34 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            weights = [p for p in group["params"] if p.grad is not None]
-            if not weights:
-                continue
-            updates = [self._adam_update(p, group) for p in weights]
-            weight_norms, update_norms = self.tensor_norms(weights, updates)
-            both_positive = (weight_norms > 0) & (update_norms > 0)
-            trust = torch.where(both_positive, weight_norms / update_norms, torch.ones_like(weight_norms))
+        stepped = [  # (group, weight, update) of every parameter with a gradient, in every group
+            (group, weight, self._adam_update(weight, group))
+            for group in self.param_groups
+            for weight in group["params"]
+            if weight.grad is not None
+        ]
+        if not stepped:
+            return loss
+        groups, weights, updates = zip(*stepped)
+        sharded_updates = [_sharded_like(weight, update) for weight, update in zip(weights, updates)]
+        weight_norms, update_norms = global_norms([*weights, *sharded_updates]).split(len(weights))
+        both_positive = (weight_norms > 0) & (update_norms > 0)
+        trust = torch.where(both_positive, weight_norms / update_norms, torch.ones_like(weight_norms))
+        for group, weight, update, ratio in zip(groups, weights, updates, trust):
             if group["trust_clamp"] is not None:
-                trust = trust.clamp(max=group["trust_clamp"])
-            step_sizes = trust * group["lr"]
-            for weight, update, step_size in zip(weights, updates, step_sizes):
-                weight.sub_(update.mul_(step_size))
+                ratio = ratio.clamp(max=group["trust_clamp"])
+            _local(weight).sub_(update.mul_(ratio * group["lr"]))
         return loss
 
     def _adam_update(self, weight: Tensor, group: dict) -> Tensor:
-        """Advances the Adam moments of `weight` and returns u = m_hat / (sqrt(v_hat) + eps) + wd * w."""
+        """Advances the Adam moments of `weight` and returns u = m_hat / (sqrt(v_hat) + eps) + wd * w, of
+        this rank's shard where `weight` is a DTensor: the arithmetic is elementwise, so it runs on the local
+        shards (a DTensor operator costs a dispatch per call, ten per tensor and step)."""
         grad = weight.grad
         if grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
+        if isinstance(weight, DTensor) and grad.placements != weight.placements:
+            grad = grad.redistribute(weight.device_mesh, weight.placements)
         state = self.state[weight]
         if not state:
             # A float32 tensor step, as torch's Adam keeps it, so checkpoints of the two look alike.
@@ -97,7 +97,8 @@ class Lamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = state["step"].item()
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        weight, grad = _local(weight), _local(grad)
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
@@ -105,3 +106,47 @@ class Lamb(torch.optim.Optimizer):
         if group["weight_decay"] != 0:
             update.add_(weight, alpha=group["weight_decay"])
         return update
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (a view: writing it writes the DTensor); any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sharded_like(weight: Tensor, shard: Tensor) -> Tensor:
+    """`shard`, this rank's part of a tensor sharded as `weight`, as a DTensor like `weight` (no copy)."""
+    if not isinstance(weight, DTensor):
+        return shard
+    return DTensor.from_local(
+        shard,
+        weight.device_mesh,
+        weight.placements,
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
+    )
+
+
+def global_norms(tensors: list[Tensor]) -> Tensor:
+    """The L2 norm of each whole tensor, one 1-D tensor: a plain tensor's own, a DTensor's over all its
+    shards. The squared norms of DTensors sharded over the same mesh dimensions are summed over those
+    dimensions together, in one all-reduce per dimension (a replicated dimension holds the whole already)."""
+    norms: list[Tensor | None] = [None] * len(tensors)
+    alike: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, DTensor):
+            norms[index] = torch.linalg.vector_norm(tensor)
+            continue
+        if any(placement.is_partial() for placement in tensor.placements):
+            raise ValueError(f"global_norms: tensor {index} is a partial DTensor; reduce it first")
+        # Not `is_shard()`: FSDP2 over a tensor-parallel dimension shards with _StridedShard, which says no.
+        placements = tensor.placements
+        sharded = tuple(dim for dim, placement in enumerate(placements) if not placement.is_replicate())
+        alike.setdefault((tensor.device_mesh, sharded), []).append(index)
+    for (mesh, sharded), indices in alike.items():
+        squares = torch.stack([torch.linalg.vector_norm(tensors[i].to_local()) ** 2 for i in indices])
+        for dim in sharded:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        for i, square in zip(indices, squares.sqrt()):
+            norms[i] = square
+    return torch.stack(norms)

@@ -124,3 +124,64 @@ def test_resume_is_bit_exact():
 def test_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Lamb([torch.zeros(2, requires_grad=True)], **kwargs)
+
+
+def _norms_of_mixed_shards(rank, world_size):
+    """dp 2 x tp 2: the tensors of test_clip's mixed model (sharded over both dimensions, over one mesh's,
+    over the other's, plain), others, and one FSDP2 sharded after TP on the same dimension (_StridedShard),
+    twice. Returns their norms and how many all-reduces gave them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from megascale.optim.lamb import global_norms
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    whole = _whole_tensors()
+    tensors = [
+        distribute_tensor(whole[0], mesh, [Shard(0), Shard(1)]),
+        distribute_tensor(whole[1], mesh["dp"], [Shard(0)]),
+        distribute_tensor(whole[2], mesh["tp"], [Shard(1)]),
+        whole[3].clone(),
+        distribute_tensor(whole[4], mesh, [Shard(0), Replicate()]),  # uneven: 5 rows over 2 ranks
+        distribute_tensor(whole[5], mesh, [Shard(1), Shard(0)]),
+        _fsdp_over_tp(whole[6], mesh),
+    ]
+    calls = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
+    try:
+        norms = global_norms(tensors + tensors)
+    finally:
+        dist.all_reduce = all_reduce
+    return norms.tolist(), len(calls)
+
+
+def _fsdp_over_tp(whole: torch.Tensor, mesh) -> torch.Tensor:
+    """`whole` as the weight of a column-parallel Linear that FSDP2 then shards over "dp"."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    linear = torch.nn.Linear(whole.shape[1], whole.shape[0], bias=False)
+    linear.weight.data.copy_(whole)
+    parallelize_module(linear, mesh["tp"], ColwiseParallel())
+    fully_shard(linear, mesh=mesh["dp"])
+    return linear.weight.data
+
+
+def _whole_tensors() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((8, 4), (6,), (4, 8), (8,), (5, 3), (4, 6), (8, 4))
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def test_global_norms_of_sharded_tensors_are_the_whole_tensors_norms_in_few_all_reduces():
+    """Each DTensor's norm over all its shards, as torch.linalg.vector_norm of the whole tensor gives it
+    on one process; one all-reduce per mesh dimension of each sharding pattern (here 2 + 1 + 1 + 1),
+    however many tensors share it (before, two per tensor and step)."""
+    from tests.parallel.multiprocess import run_ranks
+
+    want = [float(torch.linalg.vector_norm(t)) for t in _whole_tensors()] * 2
+    for norms, calls in run_ranks(_norms_of_mixed_shards, 4, timeout_s=60):
+        assert norms == pytest.approx(want, rel=1e-6)
+        assert calls == 5

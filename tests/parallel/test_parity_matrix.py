@@ -1,7 +1,8 @@
 """The parity matrix's every-pair set in the suite: each accepted combination trains the model of one process
-(losses, gradient norms, validation, resume on one process, Hugging Face export), and each refused one is
-refused by `megascale train` in one line, before any process starts. The runner and what it compares are
-in tests/parallel/parity_matrix.py; `python -m tests.parallel.parity_matrix` writes the same set's table."""
+(losses, gradient norms, validation; and for each layout, its checkpoint resumed on one process and
+exported to Hugging Face), and each refused one is refused by `megascale train` in one line, before any
+process starts. The runner and what it compares are in tests/parallel/parity_matrix.py;
+`python -m tests.parallel.parity_matrix` writes the same set's table (docs/parity/pairs.md)."""
 
 import pytest
 
