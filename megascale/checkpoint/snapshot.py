@@ -29,6 +29,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from megascale.parallel.tensor import local_shard, sharded_like
+
 log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes; every tensor starts on a cache line, which also satisfies any dtype's alignment
@@ -63,13 +65,9 @@ def rebuild(tree: Any, values: dict[LeafPath, Any], path: LeafPath = ()) -> Any:
     return values[path]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _signature(path: LeafPath, tensor: torch.Tensor) -> tuple:
     """What identifies a tensor's bytes: its name, dtype, local shape, and for a DTensor which shard."""
-    local = _local(tensor)
+    local = local_shard(tensor)
     shard = None
     if isinstance(tensor, DTensor):
         shard = (
@@ -84,7 +82,7 @@ def _offsets(tensors: dict[LeafPath, torch.Tensor]) -> tuple[dict[LeafPath, int]
     offsets, end = {}, 0
     for path, tensor in tensors.items():
         offsets[path] = end
-        local = _local(tensor)
+        local = local_shard(tensor)
         end += -(-local.numel() * local.element_size() // ALIGN) * ALIGN
     return offsets, end
 
@@ -113,9 +111,9 @@ class SnapshotBuffer:
         self._map(size, keep_contents=False)
         views = {}
         for path, tensor in tensors.items():
-            view = self._view(offsets[path], _local(tensor))
-            view.copy_(_local(tensor))
-            views[path] = self._wrap(view, tensor)
+            view = self._view(offsets[path], local_shard(tensor))
+            view.copy_(local_shard(tensor))
+            views[path] = sharded_like(view, tensor)
         record = {
             "meta": meta,
             "layout": [_signature(path, tensor) for path, tensor in tensors.items()],
@@ -169,7 +167,9 @@ class SnapshotBuffer:
             )
             return None
         self._map(size, keep_contents=True)
-        views = {path: self._wrap(self._view(offsets[path], _local(t)), t) for path, t in tensors.items()}
+        views = {
+            path: sharded_like(self._view(offsets[path], local_shard(t)), t) for path, t in tensors.items()
+        }
         return record["meta"], rebuild(tree, {**objects, **views})
 
     # -- the memory --------------------------------------------------------------------------------------
@@ -189,16 +189,3 @@ class SnapshotBuffer:
         assert self._buffer is not None
         nbytes = like.numel() * like.element_size()
         return self._buffer[offset : offset + nbytes].view(like.dtype).view(like.shape)
-
-    @staticmethod
-    def _wrap(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if isinstance(like, DTensor):
-            return DTensor.from_local(
-                view,
-                like.device_mesh,
-                like.placements,
-                run_check=False,
-                shape=like.shape,
-                stride=like.stride(),
-            )
-        return view

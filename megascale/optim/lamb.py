@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from megascale.parallel.tensor import local_shard, sharded_like
+
 
 class Lamb(torch.optim.Optimizer):
     """LAMB over fp32 (or fp64) parameters; one trust ratio per parameter tensor."""
@@ -69,14 +71,14 @@ class Lamb(torch.optim.Optimizer):
         if not stepped:
             return loss
         groups, weights, updates = zip(*stepped)
-        sharded_updates = [_sharded_like(weight, update) for weight, update in zip(weights, updates)]
+        sharded_updates = [sharded_like(update, weight) for weight, update in zip(weights, updates)]
         weight_norms, update_norms = global_norms([*weights, *sharded_updates]).split(len(weights))
         both_positive = (weight_norms > 0) & (update_norms > 0)
         trust = torch.where(both_positive, weight_norms / update_norms, torch.ones_like(weight_norms))
         for group, weight, update, ratio in zip(groups, weights, updates, trust):
             if group["trust_clamp"] is not None:
                 ratio = ratio.clamp(max=group["trust_clamp"])
-            _local(weight).sub_(update.mul_(ratio * group["lr"]))
+            local_shard(weight).sub_(update.mul_(ratio * group["lr"]))
         return loss
 
     def _adam_update(self, weight: Tensor, group: dict) -> Tensor:
@@ -97,8 +99,8 @@ class Lamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = state["step"].item()
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        weight, grad = _local(weight), _local(grad)
+        exp_avg, exp_avg_sq = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+        weight, grad = local_shard(weight), local_shard(grad)
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
@@ -106,25 +108,6 @@ class Lamb(torch.optim.Optimizer):
         if group["weight_decay"] != 0:
             update.add_(weight, alpha=group["weight_decay"])
         return update
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (a view: writing it writes the DTensor); any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _sharded_like(weight: Tensor, shard: Tensor) -> Tensor:
-    """`shard`, this rank's part of a tensor sharded as `weight`, as a DTensor like `weight` (no copy)."""
-    if not isinstance(weight, DTensor):
-        return shard
-    return DTensor.from_local(
-        shard,
-        weight.device_mesh,
-        weight.placements,
-        run_check=False,
-        shape=weight.shape,
-        stride=weight.stride(),
-    )
 
 
 def global_norms(tensors: list[Tensor]) -> Tensor:

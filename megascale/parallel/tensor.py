@@ -16,7 +16,7 @@ import inspect
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -135,3 +135,19 @@ def full_tensor(tensor: Tensor) -> Tensor:
     tensor unchanged. Duck-typed, so callers need not know which they hold."""
     whole = getattr(tensor, "full_tensor", None)
     return whole() if whole is not None else tensor
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (a view: writing it writes the DTensor); any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sharded_like(shard: Tensor, like: Tensor) -> Tensor:
+    """`shard`, this rank's part of a tensor sharded as `like`, as a DTensor like `like` (no copy); `shard`
+    itself where `like` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return shard
+    mesh, placements = like.device_mesh, like.placements
+    return DTensor.from_local(
+        shard, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
