@@ -130,6 +130,6 @@ def global_norms(tensors: list[Tensor]) -> Tensor:
         squares = torch.stack([torch.linalg.vector_norm(tensors[i].to_local()) ** 2 for i in indices])
         for dim in sharded:
             dist.all_reduce(squares, group=mesh.get_group(dim))
-        for i, square in zip(indices, squares.sqrt()):
-            norms[i] = square
+        for i, norm in zip(indices, squares.sqrt()):
+            norms[i] = norm
     return torch.stack(norms)
