@@ -281,7 +281,27 @@ class Trainer(Stateful):
                 end,
                 "stop_at_step" if training.stop_at_step else "steps",
             )
-        started_s, steps_run = time.perf_counter(), 0
+        started_s = time.perf_counter()
+        try:
+            steps_run = self._run_steps(end, writer, summary)
+            if summary["interrupted"] and self.cfg.checkpoint.enabled:
+                self.save_checkpoint()
+        except BaseException:
+            # This process's threads and shared ring stop with it; not the save in flight, which may wait
+            # on ranks that are gone.
+            self.train_loader.close()
+            self.instruments.close()
+            raise
+        finally:
+            writer.close()
+        self.close()
+        summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
+        return summary
+
+    def _run_steps(self, end: int, writer: MetricsWriter, summary: dict[str, Any]) -> int:
+        """Step, log, validate and checkpoint until step `end` or an agreed stop; the steps taken."""
+        training = self.cfg.training
+        steps_run = 0
         collector = AlignedGC(training.gc_every)
         with (
             collector,
@@ -326,12 +346,7 @@ class Trainer(Stateful):
                 if collector.due(self.step):
                     with self.timeline.span("gc", step=self.step):
                         collector.collect()
-        if summary["interrupted"] and self.cfg.checkpoint.enabled:
-            self.save_checkpoint()
-        self.close()
-        writer.close()
-        summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
-        return summary
+        return steps_run
 
     def close(self) -> None:
         """Let go of what outlives the Python objects: the save in flight and the snapshot memory, the

@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import subprocess
+import threading
 
 import pytest
 
@@ -70,6 +71,19 @@ def _isolated_logging():
         if handler not in saved[0]:
             handler.close()
     logger.handlers[:], logger.propagate, logger.level = saved
+
+
+@pytest.fixture(autouse=True)
+def _no_threads_left_behind():
+    """A test leaves no megascale thread running: a Trainer or loader it built is closed. A thread left in
+    the test process also travels into every rank that multiprocess.run_ranks forks later, mid-whatever it
+    was doing."""
+    before = set(threading.enumerate())
+    yield
+    left = [
+        thread.name for thread in set(threading.enumerate()) - before if thread.name.startswith("megascale-")
+    ]
+    assert not left, f"threads left running: {left} (close the Trainer or loader the test built)"
 
 
 def write_tiny_corpus(root):

@@ -24,6 +24,7 @@ def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
     tokens = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tokens).logits, trained.model.eval()(tokens), atol=1e-5, rtol=0)
+    trained.close()
 
     assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     # Its own run directory: the default one may hold another run, which would be resumed instead.

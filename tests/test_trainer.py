@@ -48,6 +48,7 @@ def test_resume_in_process_is_exact(tiny_config, tmp_path):
         first.train_step()
         first.step += 1
     first.save_checkpoint(blocking=True)
+    first.close()
     second = Trainer(tiny_config(run_dir=tmp_path / "split"))
     assert second.step == 3
     second.train()
@@ -176,10 +177,30 @@ def _corrupt_newest(run_dir):
     return step
 
 
+def test_a_step_that_raises_leaves_no_thread_of_the_run_behind(tiny_config, monkeypatch):
+    """An exception out of the loop stops the run's threads (data prefetch, timeline, hang watch) before it
+    reaches the caller; a notebook, or a test process that forks ranks later, keeps none of them."""
+    trainer = Trainer(tiny_config())
+    step = trainer.train_step
+
+    def fails_at_step_3():
+        if trainer.step == 2:
+            raise RuntimeError("injected")
+        return step()
+
+    monkeypatch.setattr(trainer, "train_step", fails_at_step_3)
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    assert trainer.step == 2
+    assert [thread.name for thread in threading.enumerate() if thread.name.startswith("megascale")] == []
+
+
 def test_a_corrupted_newest_checkpoint_resumes_from_the_previous_one(tiny_config, tmp_path):
     Trainer(tiny_config()).train()  # checkpoints at steps 3 and 6
     assert _corrupt_newest(tmp_path / "run") == 6
-    assert Trainer(tiny_config()).step == 3
+    resumed = Trainer(tiny_config())
+    resumed.close()
+    assert resumed.step == 3
     log = (tmp_path / "run" / "train.log").read_text()
     assert "step 6 at" in log and "failed verification (file __0_0.distcp has" in log
 

@@ -106,5 +106,6 @@ def test_a_trainer_killed_right_after_stage_one_resumes_from_that_snapshot_exact
     second = Trainer(tiny_config(run_dir=tmp_path / "split"))
     assert second.step == 4
     second.train()
+    first.close()  # the "dead" process's threads, once its snapshot was read
     reference = losses_by_step(tmp_path / "straight")
     assert losses_by_step(tmp_path / "split") == {step: reference[step] for step in (5, 6)}

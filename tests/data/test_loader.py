@@ -22,6 +22,7 @@ def test_loaders_yield_packed_int64_batches(cfg_for, text_dir):
     assert isinstance(train.tokenizer, ByteTokenizer) and train.dataset_dir == val.dataset_dir
     assert train.num_tokens + val.num_tokens == sum(len(t.encode()) + 1 for t in text_dir[1])
     assert train.dataset_dir.is_dir() and train.num_sequences == (train.num_tokens - 1) // 16
+    train.close()
 
 
 def test_tokenizer_larger_than_model_vocab(cfg_for, text_dir):
@@ -115,3 +116,5 @@ def test_train_loader_resumes_from_its_state(cfg_for, text_dir):
         got_inputs, got_labels = next(resumed)
         assert torch.equal(got_inputs, inputs) and torch.equal(got_labels, labels)
     assert resumed.epoch >= 2
+    for loader in (train, interrupted, resumed):
+        loader.close()

@@ -1,6 +1,5 @@
 """Each planner test sees a calibration cache of its own: whether the CPU profile exists is what several of
-them test, and the real `megascale calibrate` of test_calibrate.py (collected before them) would otherwise
-fill the session's shared cache."""
+them test, and a calibration made by another test would otherwise fill the session's shared cache."""
 
 import pytest
 
