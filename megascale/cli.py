@@ -190,6 +190,18 @@ def cmd_evict(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_clean(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.checkpoint.staging import bytes_held, remove_stale, staging_base, stale
+
+    _no_overrides("clean", extra)
+    found = [(path, bytes_held(path)) for path in stale()] if args.dry_run else remove_stale()
+    for path, size in found:
+        print(f"{'would remove' if args.dry_run else 'removed'} {path} ({size / 1e6:.1f} MB)")
+    total = sum(size for _, size in found)
+    print(f"{len(found)} staging directories of dead processes in {staging_base()}, {total / 1e6:.1f} MB")
+    return 0
+
+
 def _no_overrides(verb: str, extra: list[str]) -> None:
     """Verbs that take no config fields refuse them by name."""
     if extra:
@@ -343,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
     evict_parser.add_argument("node", help="The node's name, as in events.jsonl (e.g. node-1).")
     evict_parser.set_defaults(run=cmd_evict)
 
+    clean = verbs.add_parser(
+        "clean",
+        help="Remove checkpoint staging in host memory (/dev/shm/megascale-*) whose processes are all gone.",
+    )
+    clean.add_argument("--dry-run", action="store_true", help="List what would be removed; remove nothing.")
+    clean.set_defaults(run=cmd_clean)
+
     prepare = verbs.add_parser(
         "prepare", help="Tokenize text (data.source) into memory-mapped shards (docs/data.md)."
     )
@@ -418,7 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {err}", file=sys.stderr)
-        return getattr(err, "exit_status", 2)
+        status = getattr(err, "exit_status", 2)
+        if status == 2:  # the input's fault, which a restart would meet again (not a rollback's 3)
+            from megascale.resilience.client import report_input_error
+
+            report_input_error(str(err))
+        return status
 
 
 if __name__ == "__main__":

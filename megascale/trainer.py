@@ -96,6 +96,13 @@ class Trainer(Stateful):
     """
 
     def __init__(self, cfg: JobConfig, *, console: Any = None, debug: bool = False):
+        try:
+            self._build(cfg, console, debug)
+        except BaseException:
+            self._stop_threads()  # a refused resume, say: nothing it started keeps running
+            raise
+
+    def _build(self, cfg: JobConfig, console: Any, debug: bool) -> None:
         self.cfg = cfg
         training = cfg.training
         self.console = console or make_console()
@@ -287,10 +294,7 @@ class Trainer(Stateful):
             if summary["interrupted"] and self.cfg.checkpoint.enabled:
                 self.save_checkpoint()
         except BaseException:
-            # This process's threads and shared ring stop with it; not the save in flight, which may wait
-            # on ranks that are gone.
-            self.train_loader.close()
-            self.instruments.close()
+            self._stop_threads()  # not the save in flight, which may wait on ranks that are gone
             raise
         finally:
             writer.close()
@@ -347,6 +351,13 @@ class Trainer(Stateful):
                     with self.timeline.span("gc", step=self.step):
                         collector.collect()
         return steps_run
+
+    def _stop_threads(self) -> None:
+        """End this process's threads and leave the node's shared ring: the loader's and the instruments'
+        (whichever exist yet)."""
+        for part in ("train_loader", "instruments"):
+            if hasattr(self, part):
+                getattr(self, part).close()
 
     def close(self) -> None:
         """Let go of what outlives the Python objects: the save in flight and the snapshot memory, the

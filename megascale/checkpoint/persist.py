@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import time
 import zlib
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.manifest import CHUNK, MANIFEST, commit, join, prune, split_location
+from megascale.checkpoint.staging import staging_base
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,8 @@ def staging_root(final_root: str) -> Path:
     """This node's in-memory staging directory for checkpoints bound for `final_root`."""
     if os.environ.get(STAGING_DIR):
         return Path(os.environ[STAGING_DIR])
-    memory = Path("/dev/shm")
-    base = memory if memory.is_dir() and os.access(memory, os.W_OK) else Path(tempfile.gettempdir())
     digest = hashlib.sha1(str(final_root).encode()).hexdigest()[:12]
-    return base / f"megascale-{getpass.getuser()}" / digest
+    return staging_base() / f"megascale-{getpass.getuser()}" / digest
 
 
 def node_name() -> str:
@@ -160,16 +158,22 @@ class Persister(threading.Thread):
         self.interval_s = interval_s
         self.errors: list[str] = []
         self.waiting: dict[str, str] | None = None
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """End the thread after the snapshot it is persisting, if any."""
+        self._stopping.set()
+        self.join()
 
     def run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             for staged in pending(self.root):
                 try:
                     persist(staged, on_wait=self._set_waiting)
                 except Exception as err:  # noqa: BLE001 (reported in the heartbeat)
                     self.errors.append(f"persisting {staged.name}: {err}")
                     log.error("checkpoint: persisting %s failed: %s", staged, err)
-            time.sleep(self.interval_s)
+            self._stopping.wait(self.interval_s)
 
     def _set_waiting(self, waiting: dict[str, str] | None) -> None:
         self.waiting = waiting

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from megascale.checkpoint.staging import OWNER_SUFFIX, claim
 from megascale.parallel.tensor import local_shard, sharded_like
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class SnapshotBuffer:
         self.release()
         self._buffer = None
         self.data_path.unlink(missing_ok=True)
+        self.data_path.with_suffix(OWNER_SUFFIX).unlink(missing_ok=True)
         try:
             self.directory.rmdir()
         except OSError:
@@ -176,7 +178,7 @@ class SnapshotBuffer:
     def _map(self, size: int, *, keep_contents: bool) -> None:
         if self._buffer is not None and self._buffer.numel() >= size:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
+        claim(self.directory, self.data_path.stem)  # this rank holds the buffer: not stale while it runs
         size = max(size, ALIGN)
         with open(self.data_path, "ab") as file:
             if file.tell() < size:

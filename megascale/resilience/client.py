@@ -29,6 +29,28 @@ class ProgressReporter:
         os.replace(staged, self.path)
 
 
+def report_input_error(message: str) -> None:
+    """Tell the executor this process ends on an error in the job's input (config, data, checkpoint): a
+    restart would meet it again, so the driver ends the job at once with `message`. Nothing without one."""
+    directory = os.environ.get(HEARTBEAT_DIR)
+    if directory:
+        rank = os.environ.get("RANK", "0")
+        staged = Path(directory) / f"input-error-{rank}.tmp"
+        staged.write_text(json.dumps({"rank": int(rank), "message": message}))
+        os.replace(staged, staged.with_suffix(".json"))
+
+
+def read_input_errors(directory: Path) -> list[dict[str, Any]]:
+    """What `report_input_error` left in `directory`, lowest rank first."""
+    errors = []
+    for path in directory.glob("input-error-*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(errors, key=lambda error: error["rank"])
+
+
 def read_progress(directory: Path) -> dict[int, dict[str, Any]]:
     """Every rank's newest report in `directory`, by rank."""
     reports = {}

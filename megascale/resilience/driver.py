@@ -19,6 +19,7 @@ import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.persist import abandon
+from megascale.checkpoint.staging import is_alive
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
 from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
@@ -43,7 +45,8 @@ log = logging.getLogger("megascale.driver")
 
 @dataclass
 class Fault:
-    kind: str  # process_exit | heartbeat_lost | hang | comm_flat | loss_spike | slow_steps | straggler
+    kind: str  # process_exit | executor_lost | heartbeat_lost | hang | comm_flat | loss_spike | slow_steps |
+    # straggler
     node: str | None
     detail: str
     last_progress_step: int
@@ -113,29 +116,78 @@ class Driver:
 
     def start_executors(self) -> None:
         for index in range(self.res.nodes + self.res.spares):
-            node = f"node-{index}"
-            if node in read_blocklist(self.run_dir):
+            if f"node-{index}" not in read_blocklist(self.run_dir):
+                self._start_executor(index)
+
+    def _start_executor(self, index: int) -> None:
+        node = f"node-{index}"
+        self.executors[node] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megascale.resilience.executor",
+                "--store",
+                self.store.url,
+                "--job",
+                self.job,
+                "--node",
+                node,
+                "--run-dir",
+                str(self.run_dir),
+                "--interval",
+                str(self.res.heartbeat_interval_s),
+                "--address",
+                local_address(index),
+            ],
+            start_new_session=True,
+        )
+
+    def executor_exited(self, node: str) -> bool:
+        """Whether `node`'s executor is one this driver started, and it has exited."""
+        proc = self.executors.get(node)
+        return proc is not None and proc.poll() is not None
+
+    def executor_gone(self, node: str) -> bool:
+        """Whether `node`'s executor is dead: it exited, or its heartbeat is older than
+        resilience.heartbeat_timeout_s (an executor on another host; one busy with a self-check beats not)."""
+        if self.executor_exited(node):
+            return True
+        beat = self._beat(node)
+        return beat is None or time.time() - beat["time"] > self.res.heartbeat_timeout_s
+
+    def fence(self, node: str) -> None:
+        """Kill what a dead executor left running on this host: its torchrun's session and each worker's,
+        which would otherwise live on as orphans in a collective, holding the node's memory. Processes on
+        another host are out of reach from here; the survivors' collectives time out without them."""
+        beat = self._beat(node)
+        if not beat or beat.get("host") != socket.gethostname():
+            return
+        killed = []
+        for identity in beat.get("sessions", []):
+            if not is_alive(identity):
                 continue
-            self.executors[node] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "megascale.resilience.executor",
-                    "--store",
-                    self.store.url,
-                    "--job",
-                    self.job,
-                    "--node",
-                    node,
-                    "--run-dir",
-                    str(self.run_dir),
-                    "--interval",
-                    str(self.res.heartbeat_interval_s),
-                    "--address",
-                    local_address(index),
-                ],
-                start_new_session=True,
-            )
+            try:
+                os.killpg(identity["pid"], signal.SIGKILL)  # torchrun and its workers lead sessions
+            except ProcessLookupError:
+                os.kill(identity["pid"], signal.SIGKILL)
+            killed.append(identity["pid"])
+        self.events.write("fenced", node=node, killed=killed)
+
+    def replace_executor(self, node: str) -> None:
+        """Start `node`'s executor again (one this driver started) and wait for its first heartbeat: it
+        adopts the node's staging directory and persists the snapshots the dead one had not."""
+        old = self.executors.pop(node)
+        old.wait()
+        started = time.time()
+        self._start_executor(int(node.rsplit("-", 1)[1]))
+        deadline = started + self.res.startup_timeout_s
+        while time.time() < deadline:
+            self.discover()
+            beat = self._beat(node)
+            if beat is not None and beat["time"] > started:
+                break
+            time.sleep(min(0.2, self.res.heartbeat_interval_s))
+        self.events.write("executor_replaced", node=node, exit_code=old.returncode)
 
     def discover(self) -> None:
         """Read the registrations of executors that joined since the last call."""
@@ -210,6 +262,9 @@ class Driver:
             now = time.time()
             if self.stop_requested:
                 return None
+            for node in filter(self.executor_exited, nodes):
+                code = self.executors[node].returncode
+                return Fault("executor_lost", node, f"its executor exited with status {code}", last_step)
             beats = {node: self._beat(node) for node in nodes}
             current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == attempt}
             for node in nodes:
@@ -222,12 +277,20 @@ class Driver:
                 for node, beat in current.items()
                 if beat["state"] == "exited" and beat["exit_code"] != 0
             }
+            input_errors = [error for beat in failed.values() for error in beat.get("input_errors", [])]
+            if input_errors:  # a restart would meet it again: no gathering, no diagnosis, no retry
+                node = next(node for node, beat in failed.items() if beat.get("input_errors"))
+                detail = f"rank {input_errors[0]['rank']}: {input_errors[0]['message']}"
+                return Fault("input_error", node, detail, last_step)
             if failed:
                 # One dead rank brings down its peers on every node within a second or so, and a peer's node
-                # may report first: wait a little for the node a signal struck, else take the first to exit.
+                # may report first; a second fault may strike another node meanwhile. So the failures are
+                # gathered for two heartbeats (three while no node shows a rank a signal struck) before the
+                # fault is named: the node a signal struck, else the first to exit.
                 first_failure_seen = first_failure_seen or now
                 node = first_failed(failed)
-                if killed_by_signal(failed[node]) or now - first_failure_seen >= 3 * res.heartbeat_interval_s:
+                gathering = (2 if killed_by_signal(failed[node]) else 3) * res.heartbeat_interval_s
+                if now - first_failure_seen >= gathering:
                     beat = failed[node]
                     return Fault(
                         "process_exit",
@@ -236,8 +299,16 @@ class Driver:
                         last_step,
                         {
                             "errors": beat.get("errors", [])[-5:],
-                            "signalled_ranks": beat.get("signalled", {}),
+                            "signalled_ranks": {
+                                rank: name
+                                for each in failed.values()
+                                for rank, name in each.get("signalled", {}).items()
+                            },
                             "also_failed": sorted(set(failed) - {node}),
+                            # nodes a signal struck too: faults of their own, not their peers' losses
+                            "also_struck": sorted(
+                                other for other in failed if other != node and killed_by_signal(failed[other])
+                            ),
                         },
                     )
                 continue
@@ -407,10 +478,13 @@ class Driver:
 
     def _answers(self, nodes: list[str], key: str, seq_before: int) -> dict[str, dict[str, Any]]:
         """The nodes' answers under `<key>/<node>` to a command sent after `seq_before`, as they come in
-        until all have answered or resilience.diagnose_timeout_s has passed."""
+        until every node whose executor runs has answered, or resilience.diagnose_timeout_s has passed."""
         answers, deadline = {}, time.time() + self.res.diagnose_timeout_s
-        while len(answers) < len(nodes) and time.time() < deadline:
-            for node in nodes:
+        while time.time() < deadline:
+            waiting = [node for node in nodes if node not in answers and not self.executor_exited(node)]
+            if not waiting:
+                break
+            for node in waiting:
                 answer = answers.get(node) or self.store.fetch(f"{key}/{node}")
                 if answer and answer["seq"] > seq_before:
                     answers[node] = answer
@@ -519,14 +593,29 @@ class Driver:
                 last_step=fault.last_progress_step,
                 **fault.extra,
             )
-            self.stop_nodes(nodes)
-            self.wait_for_snapshots(nodes)  # the snapshot taken before the fault, if any, is kept
+            if fault.kind == "input_error":
+                self.stop_nodes(nodes)
+                self.wait_for_snapshots(nodes)
+                self.events.write("give_up", reason=f"an error in the job's input: {fault.detail}")
+                return 2
+            gone = [node for node in nodes if self.executor_gone(node)]
+            for node in gone:  # nothing of theirs may keep running; ours are started again
+                self.fence(node)
+                if node in self.executors:
+                    self.replace_executor(node)
+            live = [node for node in nodes if not self.executor_gone(node)]
+            self.stop_nodes(live)
+            self.wait_for_snapshots(live)  # the snapshot taken before the fault, if any, is kept
             self.events.write("stopped", attempt=attempt, nodes=nodes)
             if fault.kind == "straggler":
                 evict(self.run_dir, fault.node)
                 self.events.write("evict", node=fault.node, reason="straggler")
+            for node in set(nodes) - set(live):  # no executor to answer a self-check: failed at once
+                self.events.write("diagnosis", node=node, passed=False, reason="executor gone")
+                evict(self.run_dir, node)
+                self.events.write("evict", node=node)
             if self.res.diagnose:
-                for node in self.diagnose(nodes, attempt):
+                for node in self.diagnose(live, attempt):
                     evict(self.run_dir, node)
                     self.events.write("evict", node=node)
             if attempt >= self.res.max_restarts:

@@ -26,14 +26,14 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister
+from megascale.checkpoint.staging import claim, process_identity, remove_stale, staging_base
 from megascale.errors import ConfigError
-from megascale.resilience.client import HEARTBEAT_DIR, read_progress
+from megascale.resilience.client import HEARTBEAT_DIR, read_input_errors, read_progress
 from megascale.resilience.inject import ATTEMPT
 from megascale.resilience.store import open_store
 
@@ -85,14 +85,21 @@ class Executor:
         self.signalled: dict[str, str] = {}  # rank -> the signal that ended it, from torchrun's summary
         self.exited_at: float | None = None  # when this executor first saw torchrun gone
         self._failed_rank: str | None = None
-        self.seen_command = -1
         self.diagnosis: dict[str, Any] | None = None
-        # Stage 2 of this node's checkpoints runs here, so it outlives the training processes.
-        self.staging_dir = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm")
-        self.staging_dir = self.staging_dir / f"megascale-{job}" / node
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        # Stage 2 of this node's checkpoints runs here, so it outlives the training processes. A directory
+        # this node's earlier executor left is adopted (its snapshots are persisted below); those of jobs
+        # whose processes are all gone are removed.
+        self.staging_dir = staging_base() / f"megascale-{job}" / node
+        for path, size in remove_stale(keep=self.staging_dir):
+            log.warning(
+                "executor %s: removed %s (%.1f MB), left by processes no longer alive", node, path, size / 1e6
+            )
+        claim(self.staging_dir, "executor")
         self.persister = Persister(self.staging_dir)
         self.persister.start()
+        # A command already in the store was for this node's previous executor (it died): not for us.
+        previous = self.store.fetch(f"cmd/{node}")
+        self.seen_command = previous["seq"] if previous else -1
         self.register()
 
     def _check_driver(self, timeout_s: float) -> None:
@@ -188,6 +195,11 @@ class Executor:
                     pass
             self.proc.wait()
 
+    def close(self) -> None:
+        """Stop the node's processes and stage 2's thread (a snapshot being persisted is finished first)."""
+        self.stop()
+        self.persister.stop()
+
     def diagnose(self, command: dict[str, Any]) -> None:
         from megascale.resilience.diagnostics import run_self_check
 
@@ -225,9 +237,14 @@ class Executor:
             "signalled": self.signalled,
             "pid": self.proc.pid if self.proc else None,
             "workers": workers,
+            # What the driver kills should this executor die: torchrun's session and each worker's.
+            "sessions": [process_identity(pid) for pid in [self.proc.pid, *workers]]
+            if state == "running"
+            else [],
             "io_bytes": io_bytes(workers),
             "free_port": free_port(self.address),
             "progress": {str(rank): report for rank, report in progress.items()},
+            "input_errors": read_input_errors(self.log_path.parent) if self.log_path else [],
             "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
             "snapshots_pending": self.persister.busy(),
             "snapshot_waiting": self.persister.waiting,

@@ -1,5 +1,7 @@
 """Resuming with a changed config: each change said and applied, or refused when it would be ignored."""
 
+import threading
+
 import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
@@ -41,6 +43,7 @@ def test_an_import_into_a_run_directory_of_another_run_is_refused(tiny_config, t
         ConfigError, match=r"already holds checkpoints \(up to step 3\) of a run that did not"
     ):
         Trainer(tiny_config(f"--checkpoint.init_from={imported}"))
+    assert [thread.name for thread in threading.enumerate() if thread.name.startswith("megascale-")] == []
 
 
 def test_a_run_started_from_an_import_resumes_from_its_own_checkpoints(tiny_config, tmp_path):

@@ -3,13 +3,16 @@ heartbeats, diagnosed, evicted and recovered from, with the events log as the re
 
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
+from megascale.checkpoint.staging import BASE
 from megascale.observe.metrics import read_metrics
 from megascale.resilience.records import read_blocklist, read_events
 from tests.conftest import tiny_args
@@ -138,6 +141,111 @@ def test_two_hosts_train_as_one_job_and_recover_a_killed_rank(reference, two_hos
             assert sorted(p.name for p in run_dir.glob(f"nodes/{host}/attempt-{attempt}/rank-*")) == ranks
     for proc in two_hosts.procs:  # the executors left when the driver said exit
         assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
+    reference, tiny_corpus, tmp_path, monkeypatch
+):
+    """SIGKILL of node-1's executor mid-run, from outside (an operator, the OOM killer). Its torchrun and
+    ranks would live on as orphans; the driver sees the executor exit, kills them, starts the node's
+    executor again (it adopts the node's staging and persists what the dead one had not), restarts without
+    waiting for an answer that cannot come, and ends with the reference's losses: no process of the job
+    and no byte of its staging left."""
+    base = tmp_path / "shm"
+    monkeypatch.setenv(BASE, str(base))
+    run_dir = tmp_path / "executor-killed"
+    args = tiny_args(
+        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
+        "--resilience.nodes=2", "--resilience.nproc_per_node=2",
+    )  # fmt: skip
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "megascale.cli", "launch", *args],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while max((r["step"] for r in _attempt_reports(run_dir, 0)), default=0) < 3:
+            assert time.time() < deadline and launch.poll() is None, "the job did not reach step 3"
+            time.sleep(0.05)
+        (executor,) = [pid for pid in _processes_of(run_dir) if b"node-1" in _cmdline(pid)]
+        os.kill(executor, signal.SIGKILL)
+        killed_at = time.time()
+        _, err = launch.communicate(timeout=300)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+    assert launch.returncode == 0, err[-4000:]
+    events = read_events(run_dir)
+    fault = next(event for event in events if event["event"] == "fault")
+    assert fault["kind"] == "executor_lost" and fault["node"] == "node-1"
+    fenced = next(event for event in events if event["event"] == "fenced")
+    restart = next(event for event in events if event["event"] == "start" and event["attempt"] == 1)
+    print(
+        f"executor loss detected {fault['time'] - killed_at:.1f} s after the kill, "
+        f"{len(fenced['killed'])} processes of its node killed; next attempt "
+        f"{restart['time'] - fault['time']:.1f} s after detection"
+    )
+    assert fault["time"] - killed_at < 3.0 and len(fenced["killed"]) == 3  # torchrun and its two ranks
+    assert "executor_replaced" in kinds(events) and kinds(events)[-1] == "done"
+    assert restart["time"] - fault["time"] < 20.0  # no wait on the lost node's heartbeat or self-check
+    assert losses(run_dir) == reference
+    assert not _processes_of(run_dir), "processes of the job outlived it"
+    assert not list(base.glob("megascale-*")), "the job's staging outlived it"
+
+
+def _cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_on_two_nodes_at_once_are_two_faults_on_record(reference, tiny_corpus, tmp_path):
+    run_dir = run(
+        "launch",
+        tiny_corpus,
+        tmp_path,
+        "two-killed",
+        "--resilience.nodes=2",
+        "--resilience.nproc_per_node=2",
+        "--resilience.inject=kill:rank=1:step=5,kill:rank=2:step=5",
+        NODE_CHECKS_ONLY,
+    )
+    events = read_events(run_dir)
+    (fault,) = [event for event in events if event["event"] == "fault"]
+    assert fault["kind"] == "process_exit"
+    assert {fault["node"], *fault["also_struck"]} == {"node-0", "node-1"}
+    struck = {rank: name for rank, name in fault["signalled_ranks"].items() if name == "SIGKILL"}
+    assert struck == {"1": "SIGKILL", "2": "SIGKILL"}  # their peers got torchrun's SIGTERM
+    assert kinds(events)[-1] == "done" and losses(run_dir) == reference
+
+
+def test_an_error_in_the_jobs_input_ends_the_job_at_once_with_its_cause(tiny_corpus, tmp_path):
+    """A restart would meet bad input again: the job ends after the first attempt, exit status 2, and the
+    cause is in the fault, the give-up and the driver's console, not only in a per-attempt output.log."""
+    run_dir = tmp_path / "bad-input"
+    missing = tmp_path / "no-such-texts"
+    args = tiny_args(
+        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY, f"--data.source={missing}"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "launch", *args, "--resilience.max_restarts=1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    events = read_events(run_dir)
+    assert kinds(events).count("start") == 1 and kinds(events)[-1] == "give_up"
+    fault, give_up = [event for event in events if event["event"] in ("fault", "give_up")]
+    cause = f"data.source = '{missing}' does not exist"
+    assert fault["kind"] == "input_error" and cause in fault["detail"] and cause in give_up["reason"]
+    assert "diagnosis" not in kinds(events)
+    assert cause in result.stdout + result.stderr and cause in (run_dir / "driver.log").read_text()
 
 
 def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):
