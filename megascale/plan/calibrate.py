@@ -114,9 +114,8 @@ def typical_seconds_each(fns: list[Callable[[], object]], calls: int) -> list[fl
 
     Not the fastest calls: two processes that wake each other through gloo for every collective spread
     their call times over 2x (tenth to ninetieth percentile) on a quiet machine, and the training loop
-    runs at their typical pace. The profile used to take the median of the quietest of three rounds, one
-    function after the other, and predicted tp2 x pp2 2-22% short where the median of all calls was 0-2%
-    short (docs/planning.md)."""
+    runs at their typical pace: the median of the quietest of three rounds, one function after the other,
+    predicts tp2 x pp2 2-22% short where the median of all calls is 0-2% short."""
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -469,10 +468,10 @@ def tp_overhead_per_byte(measured: dict[str, float]) -> float:
     to a block's forward + backward beyond half the block's compute: the growth of the TP probe's
     per-block time from the tiny shape to the sized one, less half the plain probe's growth.
 
-    The TP probe's time at the tiny shape holds its dispatch and its collectives' latency; what grows with
-    the activations was once counted as their bytes over gloo's 4 MB bandwidth and as half a block's
-    compute, and fell short by 5-10 ms a block at the runs' size (docs/planning.md, session 12): the
-    transfers and the sequence-parallel copies take the very cores that compute."""
+    The TP probe's time at the tiny shape holds its dispatch and its collectives' latency. What grows with
+    the activations is measured, not counted as their bytes over gloo's bandwidth plus half a block's
+    compute, which falls short by 5-10 ms a block at the runs' size: the transfers and the
+    sequence-parallel copies take the very cores that compute."""
     grown = measured["tp_sized_block_host_s"] - measured["tp_block_host_s"]
     compute = (measured["sized_block_host_s"] - measured["block_host_s"]) / 2
     return max(0.0, grown - compute) / (activation_bytes(SIZED_SHAPE) - activation_bytes(TINY_SHAPE))
