@@ -249,16 +249,18 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
-    from megascale.observe.peak import calibrate, calibration_cache
+    from megascale.observe.peak import calibration_cache, measure_matmul_tflops, store_calibration
 
     _no_overrides("calibrate", extra)
     threads = args.threads or torch.get_num_threads()
-    for dtype in args.dtype:
-        tflops = calibrate(dtype, threads, force=True)
+    peaks = {dtype: measure_matmul_tflops(dtype, threads) for dtype in args.dtype}
+    for dtype, tflops in peaks.items():
         print(f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  (threads={threads})")
     from megascale.plan.calibrate import calibrate_profile, profile_cache
 
-    measured = calibrate_profile(threads)
+    measured = calibrate_profile(threads)  # raises, caching nothing, when a probe fails or times out
+    for dtype, tflops in peaks.items():  # the peaks only with the profile measured beside them
+        store_calibration(dtype, threads, tflops)
     for name, value in measured.items():  # the planner's CPU profile (megascale plan)
         print(f"cpu_{name} {value:.4g}")
     if measured["steal_fraction"] > 0.1:

@@ -22,6 +22,10 @@ class CheckpointError(MegascaleError):
     """A checkpoint is missing, corrupt, or was written for another model."""
 
 
+class MeasurementError(MegascaleError):
+    """This machine could not be measured as asked (a probe outlived its time on a busy machine)."""
+
+
 class NonFiniteError(MegascaleError):
     """Training met a NaN/inf loss or gradient norm and its policy is to roll back (exit status 3)."""
 

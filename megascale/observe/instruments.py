@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megascale.config import JobConfig
 from megascale.observe.collectives import record_collectives
 from megascale.observe.hang import HangWatch
-from megascale.observe.peak import Peak, calibrate, peak_for
+from megascale.observe.peak import Peak, calibrate, forget_calibration, peak_for
 from megascale.observe.stragglers import StragglerDetector
 from megascale.observe.timeline import Timeline, session_dir
 
@@ -131,9 +131,34 @@ class Instruments:
         if self.peak is not None:
             # The peak is one device's (one process's cores on CPU); the job runs world_size of them.
             peak_flops = self.peak.tflops * 1e12 * self.world_size
-            record["mfu"] = tokens_per_s * self.flops_per_token / peak_flops
-            record["peak_source"] = self.peak.source
+            mfu = tokens_per_s * self.flops_per_token / peak_flops
+            if mfu > 1.0:
+                self._contradicted(tokens_per_s * self.flops_per_token / self.world_size / 1e12)
+            else:
+                record["mfu"], record["peak_source"] = mfu, self.peak.source
         return record
+
+    def _contradicted(self, achieved_tflops: float) -> None:
+        """This run computes faster than the peak it divides by: the peak is wrong, and MFU is not shown
+        from here on. A measured one (cached from a busy machine, say) is dropped from the cache, so the
+        next run measures it again."""
+        peak, self.peak = self.peak, None
+        assert peak is not None
+        fix = {
+            "config": "correct --training.peak_tflops",
+            "table": "the device's entry in megascale/observe/peak.py is wrong",
+            "measured": "it was measured on a busy machine; the next run measures it again",
+        }[peak.source]
+        log.warning(
+            "MFU not shown: this run computes %.3g TFLOP/s per process, above the %s peak of %.3g TFLOP/s "
+            "it would divide by (%s)",
+            achieved_tflops,
+            peak.source,
+            peak.tflops,
+            fix,
+        )
+        if peak.source == "measured":
+            forget_calibration(self.cfg.training.dtype, torch.get_num_threads())
 
     def close(self) -> None:
         record_collectives(None)

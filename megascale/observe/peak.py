@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,14 +87,31 @@ def measure_matmul_tflops(dtype: str, threads: int, size: int = 2048, seconds: f
 
 def calibrate(dtype: str, threads: int, force: bool = False) -> float:
     """The measured CPU matmul peak, from the cache or measured now and cached."""
+    cached = None if force else cached_calibration(dtype, threads)
+    if cached is not None:
+        return cached
+    tflops = measure_matmul_tflops(dtype, threads)
+    store_calibration(dtype, threads, tflops)
+    return tflops
+
+
+def _update_cache(change: Callable[[dict[str, float]], None]) -> None:
     path = calibration_cache()
     cache = json.loads(path.read_text()) if path.is_file() else {}
-    key = _cache_key(dtype, threads)
-    if key not in cache or force:
-        cache[key] = measure_matmul_tflops(dtype, threads)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cache, indent=2))
-    return cache[key]
+    change(cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(cache, indent=2))
+    os.replace(temporary, path)
+
+
+def store_calibration(dtype: str, threads: int, tflops: float) -> None:
+    _update_cache(lambda cache: cache.__setitem__(_cache_key(dtype, threads), tflops))
+
+
+def forget_calibration(dtype: str, threads: int) -> None:
+    """Drop a cached peak (a run computed faster than it): the next run that needs it measures it."""
+    _update_cache(lambda cache: cache.pop(_cache_key(dtype, threads), None))
 
 
 def cached_calibration(dtype: str, threads: int) -> float | None:

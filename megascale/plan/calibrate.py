@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megascale.config import AttentionConfig, ModelConfig, OverlapConfig
-from megascale.errors import ConfigError
+from megascale.errors import ConfigError, MeasurementError
 from megascale.models.llama import Transformer
 from megascale.observe.cpu_load import cpu_times, least_disturbed, steal_fraction
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
@@ -341,7 +341,11 @@ def _measure_gloo() -> dict[str, float]:
     }
 
 
-def measure_round(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
+# A round's processes take 10-30 s on a quiet 2-core machine; this bounds a hang, not a busy machine.
+PROBE_TIMEOUT_S = 300.0
+
+
+def measure_round(threads: int) -> dict[str, float]:
     """One round of measurement: a fresh process takes the single-process figures, then a pair of fresh
     processes the two-process ones (rank 0's); and the share of the CPU time the hypervisor took."""
     before = cpu_times()
@@ -351,7 +355,7 @@ def measure_round(threads: int, timeout_s: float = 60.0) -> dict[str, float]:
             run_ranks(
                 "import sys; from megascale.plan.calibrate import rank_main; rank_main(*sys.argv[1:])",
                 [workdir, str(threads)],
-                timeout_s,
+                PROBE_TIMEOUT_S,
                 ranks,
             )
             measured |= json.loads(Path(workdir, f"rank{ranks[0]}.json").read_text())
@@ -374,6 +378,11 @@ def run_ranks(code: str, args: list[str], timeout_s: float, ranks: Sequence[int 
     ]
     try:
         errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
+    except subprocess.TimeoutExpired as err:
+        raise MeasurementError(
+            f"calibrate: a measuring process ran past {timeout_s:.0f} s (the machine is busy, or the probe "
+            "hung); nothing was cached: run `megascale calibrate` again when the machine is quieter"
+        ) from err
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -6,6 +6,7 @@ import torch
 
 from megascale.cli import main
 from megascale.observe import peak
+from megascale.observe.metrics import read_metrics
 from megascale.observe.peak import Peak, peak_for
 
 
@@ -47,3 +48,31 @@ def test_calibrate_measures_caches_and_is_then_used(capsys, monkeypatch):
 def test_measured_matmul_peak_is_plausible():
     tflops = peak.measure_matmul_tflops("float32", 1, size=256, seconds=0.2)
     assert 1e-4 < tflops < 10
+
+
+def test_calibrate_on_a_machine_too_busy_to_finish_says_so_and_caches_nothing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "measure_matmul_tflops", lambda dtype, threads: 0.001)  # measured while busy
+    monkeypatch.setattr("megascale.plan.calibrate.PROBE_TIMEOUT_S", 0.01)
+    assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("error: calibrate: a measuring process ran past 0 s") and "\n" not in said
+    assert not peak.calibration_cache().exists()  # not the low peak either
+
+
+def test_mfu_above_100_percent_is_never_shown_and_a_contradicted_measured_peak_is_measured_again(
+    tiny_config, monkeypatch, tmp_path
+):
+    from megascale.trainer import Trainer
+
+    monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path / "cache"))
+    peak.store_calibration("float32", torch.get_num_threads(), 1e-9)  # far below any real step
+    trainer = Trainer(tiny_config("--training.peak_tflops=none"))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = read_metrics(trainer.run_dir)
+    assert records and not any("mfu" in record for record in records)
+    assert "MFU not shown: this run computes" in (trainer.run_dir / "train.log").read_text()
+    assert peak.cached_calibration("float32", torch.get_num_threads()) is None
