@@ -367,9 +367,10 @@ class Trainer(Stateful):
         if self._closed:
             return
         self._closed = True
-        self.checkpointer.close()
-        self.train_loader.close()
-        self.instruments.close()
+        try:
+            self.checkpointer.close()  # raises when the last save failed
+        finally:
+            self._stop_threads()
 
     def train_step(self) -> StepMetrics:
         """One optimizer step over `global_batch_size` sequences (gradient accumulation), clipped."""

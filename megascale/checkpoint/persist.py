@@ -87,8 +87,25 @@ def persist(
     `on_wait` hears {'final', 'save_id'} while the coordinator waits for the other nodes, then None."""
     try:
         return _persist(staged, marker_timeout_s, on_wait or (lambda waiting: None))
+    except BaseException:
+        _discard_uncommitted(staged)
+        raise
     finally:
         shutil.rmtree(staged, ignore_errors=True)
+
+
+def _discard_uncommitted(staged: Path) -> None:
+    """Remove what a failed persist wrote of a step that can no longer commit (a full disk, a node that
+    died): left there, it takes the space the next save needs, and retention only prunes after a commit.
+    A committed step (a re-save that failed) keeps its files."""
+    try:
+        final = json.loads((staged / READY).read_text())["final"]
+        fs, path = split_location(final)
+        if fs.exists(path) and not fs.exists(join(path, MANIFEST)):
+            fs.rm(path, recursive=True)
+            log.warning("checkpoint: removed the uncommitted %s", final)
+    except Exception as err:  # noqa: BLE001 (the persist's own error is the one to report)
+        log.warning("checkpoint: could not remove an uncommitted step's files: %s", err)
 
 
 def _persist(staged: Path, marker_timeout_s: float, on_wait: Callable[[dict[str, str] | None], None]) -> str:

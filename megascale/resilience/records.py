@@ -25,9 +25,13 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, **fields}
-        with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
         details = ", ".join(f"{key} {value}" for key, value in fields.items())
+        try:
+            with open(self.path, "a") as file:
+                file.write(json.dumps(record) + "\n")
+        except OSError as err:  # a full disk must not end the driver: the console and driver.log still say it
+            log.error("%s%s (not in %s: %s)", event, f": {details}" if details else "", self.path, err)
+            return record
         log.info("%s%s", event, f": {details}" if details else "")
         return record
 
