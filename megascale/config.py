@@ -394,6 +394,12 @@ class ResilienceConfig:
     )
     heartbeat_interval_s: float = option(1.0, "Seconds between an executor's heartbeats.", gt=0)
     heartbeat_timeout_s: float = option(15.0, "A node whose heartbeat is older than this is lost.", gt=0)
+    store_grace_s: float = option(
+        60.0,
+        "How long the driver and the executors wait for the control store to answer again (a Redis "
+        "restart) before the job ends resumable; training goes on meanwhile.",
+        gt=0,
+    )
     hang_timeout_s: float = option(
         120.0, "No step completed for this long, while the processes live, is a hang.", gt=0
     )

@@ -186,6 +186,7 @@ NEUTRAL: dict[str, str] = {
             "resilience.hang_timeout_s",
             "resilience.heartbeat_interval_s",
             "resilience.heartbeat_timeout_s",
+            "resilience.store_grace_s",
             "resilience.job_id",
             "resilience.loss_spike_z",
             "resilience.max_restarts",

@@ -14,6 +14,7 @@ beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -38,7 +39,7 @@ from megascale.resilience.executor import local_address
 from megascale.resilience.inject import INJECT, active_faults
 from megascale.resilience.links import blame, link_rounds
 from megascale.resilience.records import EventLog, evict, read_blocklist
-from megascale.resilience.store import ControlStore, open_store
+from megascale.resilience.store import ControlStore, OutageTolerantStore, StoreLost, open_store
 
 log = logging.getLogger("megascale.driver")
 
@@ -102,6 +103,8 @@ class Driver:
         self.executors: dict[str, subprocess.Popen] = {}  # the ones this driver started (local)
         self.registered: dict[str, dict[str, Any]] = {}  # every executor that joined, by node name
         self.tickets_read = 0
+        self.tickets: list[dict[str, Any]] = []  # every registration read, by ticket (to re-seed a store)
+        self.commands: dict[str, dict[str, Any]] = {}  # the last command sent to each node (likewise)
         self.seq = 0
         self.stop_requested = False
         self.stragglers: set[tuple[int, int]] = set()  # (attempt, rank) already reported
@@ -109,7 +112,8 @@ class Driver:
     # -- executors ------------------------------------------------------------------------------------
     def _command(self, node: str, action: str, **fields: Any) -> None:
         self.seq += 1
-        self.store.put(f"cmd/{node}", {"seq": self.seq, "action": action, **fields})
+        self.commands[node] = {"seq": self.seq, "action": action, **fields}
+        self.store.put(f"cmd/{node}", self.commands[node])
 
     def _beat(self, node: str) -> dict[str, Any] | None:
         return self.store.fetch(f"hb/{node}")
@@ -138,6 +142,8 @@ class Driver:
                 str(self.res.heartbeat_interval_s),
                 "--address",
                 local_address(index),
+                "--store-grace",
+                str(self.res.store_grace_s),
             ],
             start_new_session=True,
         )
@@ -153,7 +159,7 @@ class Driver:
         if self.executor_exited(node):
             return True
         beat = self._beat(node)
-        return beat is None or time.time() - beat["time"] > self.res.heartbeat_timeout_s
+        return beat is None or self._beat_age(beat) > self.res.heartbeat_timeout_s
 
     def fence(self, node: str) -> None:
         """Kill what a dead executor left running on this host: its torchrun's session and each worker's,
@@ -199,6 +205,7 @@ class Driver:
             if info["node"] not in self.registered:
                 self.events.write("joined", **info)
             self.registered[info["node"]] = info
+            self.tickets.append(info)
             self.tickets_read += 1
 
     def healthy_nodes(self) -> list[str]:
@@ -208,7 +215,7 @@ class Driver:
         healthy = []
         for node, info in self.registered.items():
             beat = self._beat(node)
-            alive = beat is not None and now - beat["time"] < self.res.heartbeat_timeout_s
+            alive = beat is not None and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
             if node in self.executors:
                 alive = alive and self.executors[node].poll() is None
             if alive and node not in blocked:
@@ -269,7 +276,7 @@ class Driver:
             current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == attempt}
             for node in nodes:
                 beat = beats[node]
-                age = now - (beat["time"] if beat else started)
+                age = self._beat_age(beat, now) if beat else now - max(started, self.store.back_at)
                 if age > res.heartbeat_timeout_s:
                     return Fault("heartbeat_lost", node, f"no heartbeat for {age:.1f} s", last_step)
             failed = {
@@ -334,7 +341,8 @@ class Driver:
                 fault = self._anomalies(attempt, last_step, current, loss_spike, slow_steps)
                 if fault is not None:
                     return fault
-            elif last_step >= 0 and 0 < res.comm_flat_timeout_s < min(now - last_change, silent_s):
+            last_change = max(last_change, self.store.back_at)  # nothing could be read during an outage
+            if last_step >= 0 and 0 < res.comm_flat_timeout_s < min(now - last_change, silent_s):
                 return Fault(
                     "comm_flat",
                     None,
@@ -398,7 +406,9 @@ class Driver:
         while time.time() < deadline:
             time.sleep(self.res.heartbeat_interval_s)
             now, beats = time.time(), [self._beat(node) for node in nodes]
-            live = [beat for beat in beats if beat and now - beat["time"] < self.res.heartbeat_timeout_s]
+            live = [
+                beat for beat in beats if beat and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
+            ]
             busy = [
                 beat for beat in live if beat.get("snapshots_pending")
             ]  # a dead executor persists nothing
@@ -522,7 +532,9 @@ class Driver:
 
     # -- the job --------------------------------------------------------------------------------------
     def run(self) -> int:
-        self.store = open_store(self.res.store, job=self.job, host=True)
+        self.store = OutageTolerantStore(
+            open_store(self.res.store, job=self.job, host=True), self.res.store_grace_s, self._reseed
+        )
         if self.store.fetch("driver") is not None:  # a Redis server keeps a finished job's keys
             raise ConfigError(
                 f"resilience.job_id = {self.job!r} was used by an earlier driver on {self.res.store}; "
@@ -540,13 +552,28 @@ class Driver:
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         if self.res.executors == "local":
             self.start_executors()
+        store_lost = None
         try:
             return self._loop()
+        except StoreLost as err:
+            store_lost = err
+            step = self._verified_checkpoint_step()
+            self.events.write(
+                "give_up",
+                reason=f"{err}; resumable from the checkpoint of step {step}: run `megascale launch` again "
+                f"with training.run_dir = {self.run_dir}",
+            )
+            return 1
         finally:
-            self.discover()
-            for node in self.registered:
-                self._command(node, "exit")
-            self._wait_until_left(list(self.registered))
+            if store_lost is None:
+                self.discover()
+                for node in self.registered:
+                    self._command(node, "exit")
+                self._wait_until_left(list(self.registered))
+            else:  # no command reaches them: ours stop their nodes on SIGTERM; the others on their own
+                for proc in self.executors.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
             for proc in self.executors.values():
                 try:
                     proc.wait(timeout=30)
@@ -561,7 +588,9 @@ class Driver:
         deadline = time.time() + self.res.heartbeat_timeout_s
         while time.time() < deadline:
             beats, now = [self._beat(node) for node in nodes], time.time()
-            live = [beat for beat in beats if beat and now - beat["time"] < self.res.heartbeat_timeout_s]
+            live = [
+                beat for beat in beats if beat and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
+            ]
             if all(beat["state"] == "left" for beat in live):
                 return
             time.sleep(0.1)
@@ -632,7 +661,7 @@ class Driver:
             )
 
     def _newest_checkpoint_step(self, attempt: int) -> int:
-        from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, read_manifest
+        from megascale.checkpoint.checkpointer import list_checkpoints
 
         root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
         checkpoints = list_checkpoints(root)
@@ -641,7 +670,14 @@ class Driver:
         ):
             _corrupt(checkpoints[-1][1])
             self.events.write("injected", kind="corrupt_checkpoint", checkpoint=checkpoints[-1][1])
-        newest = Checkpointer(root, keep=1).latest_verified()  # what the trainer will resume from
+        return self._verified_checkpoint_step()
+
+    def _verified_checkpoint_step(self) -> int:
+        """The step of the newest checkpoint that verifies: what the trainer will resume from (0: none)."""
+        from megascale.checkpoint.checkpointer import Checkpointer, read_manifest
+
+        root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
+        newest = Checkpointer(root, keep=1).latest_verified()
         return read_manifest(newest)["step"] if newest else 0
 
     def _layout_fits(self, nodes: int) -> bool:
@@ -655,6 +691,26 @@ class Driver:
             log.error("%s", err)
             return False
         return True
+
+    def _beat_age(self, beat: dict[str, Any], now: float | None = None) -> float:
+        """How old a heartbeat is, counted from the end of the store's last outage at the earliest: no
+        executor could beat while the store was away."""
+        return (now or time.time()) - max(beat["time"], self.store.back_at)
+
+    def _reseed(self, store: ControlStore) -> None:
+        """The store answers again after an outage. A Redis server restarted empty has lost the job's keys:
+        put back what the driver knows (its mark, the registrations, each node's last command), so that
+        executors find their job and commands, and a new registration gets a ticket after the known ones."""
+        began, ended = self.store.outages[-1]
+        emptied = store.fetch("driver") is None
+        if emptied:
+            store.put("driver", {"job": self.job, "time": time.time()})
+            store.add("registered", len(self.tickets))
+            for ticket, info in enumerate(self.tickets):
+                store.put(f"node/{ticket}", info)
+            for node, command in self.commands.items():
+                store.put(f"cmd/{node}", command)
+        self.events.write("store_back", outage_s=round(ended - began, 1), reseeded=emptied)
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         self.stop_requested = True

@@ -35,7 +35,7 @@ from megascale.checkpoint.staging import claim, process_identity, remove_stale, 
 from megascale.errors import ConfigError
 from megascale.resilience.client import HEARTBEAT_DIR, read_input_errors, read_progress
 from megascale.resilience.inject import ATTEMPT
-from megascale.resilience.store import open_store
+from megascale.resilience.store import OutageTolerantStore, open_store
 
 ERROR_KEYWORDS = re.compile(
     r"traceback|error|nccl|gloo|segmentation fault|core dumped|killed|exitcode", re.ASCII | re.IGNORECASE
@@ -65,8 +65,12 @@ class Executor:
         interval_s: float,
         address: str | None = None,
         connect_timeout_s: float = 30.0,
+        store_grace_s: float = 60.0,
     ):
-        self.store = open_store(store_url, job=job, timeout_s=connect_timeout_s)
+        # A store outage (a Redis restart) is ridden out for store_grace_s: the node trains on meanwhile.
+        self.store = OutageTolerantStore(
+            open_store(store_url, job=job, timeout_s=connect_timeout_s), store_grace_s
+        )
         self.store_url, self.job = store_url, job
         self._check_driver(connect_timeout_s)
         self.node = node
@@ -385,6 +389,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Seconds to wait for the driver's store to come up (executors may start before the driver).",
     )
     parser.add_argument(
+        "--store-grace",
+        type=float,
+        default=60.0,
+        help="Seconds to wait for the store to answer again after an outage before stopping this node's "
+        "processes (resilience.store_grace_s).",
+    )
+    parser.add_argument(
         "--address",
         default=None,
         help="This node's address in torchrun's rendezvous (its --local-addr). Ranks are numbered in the "
@@ -396,7 +407,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_executor(args: argparse.Namespace) -> int:
     """Serve the driver until it says exit (or SIGTERM)."""
     executor = Executor(
-        args.store, args.job, args.node, args.run_dir, args.interval, args.address, args.connect_timeout
+        args.store,
+        args.job,
+        args.node,
+        args.run_dir,
+        args.interval,
+        args.address,
+        args.connect_timeout,
+        args.store_grace,
     )
     signal.signal(signal.SIGTERM, lambda *_: (executor.stop(), sys.exit(0)))
     try:

@@ -283,29 +283,39 @@ def local_redis_server(timeout_s: float = 30.0) -> Iterator[str]:
     try-out on one machine; yields its URL (database 0) once it answers, and kills it (by pid) after."""
     from megascale.resilience.executor import free_port
 
+    port = free_port("127.0.0.1")
+    proc = start_redis_server(port, timeout_s)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def start_redis_server(port: int, timeout_s: float = 30.0) -> subprocess.Popen:
+    """redis-server on loopback `port`, without persistence (a restart starts empty), once it answers."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server is not on PATH (Debian: apt-get install redis-server)")
-    port = free_port("127.0.0.1")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout_s
     try:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 client.ping()
-                break
+                return proc
             except redis.ConnectionError as err:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    message = f"redis-server on port {port} did not answer within {timeout_s} s"
-                    raise RuntimeError(message) from err
+                    proc.kill()
+                    proc.wait()
+                    raise RuntimeError(
+                        f"redis-server on port {port} did not answer within {timeout_s} s"
+                    ) from err
                 time.sleep(0.05)
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.kill()
-        proc.wait()
+        client.close()

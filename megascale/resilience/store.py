@@ -12,9 +12,13 @@ does not wait.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 from urllib.parse import urlparse
+
+from megascale.errors import MegascaleError
 
 
 class ControlStore(Protocol):
@@ -85,6 +89,72 @@ class RedisControlStore(JsonStore):
 
     def _read(self, key: str) -> bytes | None:
         return self._store.try_get(key)
+
+
+class StoreLost(MegascaleError):
+    """The control store stayed unreachable for longer than the grace period."""
+
+    exit_status = 1
+
+
+def _outage_errors() -> tuple[type[BaseException], ...]:
+    """What a store client raises when its server is gone: a socket error, torch's DistNetworkError (a
+    RuntimeError), redis-py's connection errors."""
+    import redis
+
+    return (OSError, RuntimeError, redis.ConnectionError, redis.TimeoutError)
+
+
+class OutageTolerantStore:
+    """A ControlStore that rides out its server's outage: a call that fails for want of the server is
+    retried until the server answers again or `grace_s` has passed since the outage began (then
+    StoreLost). `on_return(store)` runs once the server answers again, before the call that waited: a
+    Redis restarted empty is seeded there."""
+
+    def __init__(
+        self, store: ControlStore, grace_s: float, on_return: Callable[[ControlStore], None] | None = None
+    ):
+        self.inner, self.grace_s, self.on_return = store, grace_s, on_return
+        self.url = store.url
+        self.outage_since: float | None = None
+        self.back_at = 0.0  # when the last outage ended (time.time(); 0: none yet)
+        self.outages: list[tuple[float, float]] = []  # (began, ended), time.time()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        errors = _outage_errors()
+        while True:
+            try:
+                result = getattr(self.inner, method)(*args)
+            except errors as err:
+                now = time.time()
+                self.outage_since = self.outage_since or now
+                if now - self.outage_since > self.grace_s:
+                    raise StoreLost(
+                        f"the control store {self.url} has been unreachable for "
+                        f"{now - self.outage_since:.0f} s (resilience.store_grace_s = {self.grace_s:g}): "
+                        f"{type(err).__name__}: {err}"
+                    ) from err
+                time.sleep(min(1.0, self.grace_s / 10))
+                continue
+            if self.outage_since is not None:
+                began, self.outage_since = self.outage_since, None
+                self.back_at = time.time()
+                self.outages.append((began, self.back_at))
+                if self.on_return is not None:
+                    self.on_return(self.inner)
+            return result
+
+    def put(self, key: str, value: Any) -> None:
+        self._call("put", key, value)
+
+    def fetch(self, key: str) -> Any | None:
+        return self._call("fetch", key)
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
 
 
 def open_store(url: str, *, job: str, host: bool = False, timeout_s: float = 30.0) -> ControlStore:

@@ -3,6 +3,7 @@ heartbeats, diagnosed, evicted and recovered from, with the events log as the re
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import pytest
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.checkpoint.staging import BASE
 from megascale.observe.metrics import read_metrics
+from megascale.resilience.executor import free_port
 from megascale.resilience.records import read_blocklist, read_events
+from megascale.resilience.redis_store import start_redis_server
 from tests.conftest import tiny_args
 
 STEPS, EVERY = 12, 4
@@ -246,6 +249,72 @@ def test_an_error_in_the_jobs_input_ends_the_job_at_once_with_its_cause(tiny_cor
     assert fault["kind"] == "input_error" and cause in fault["detail"] and cause in give_up["reason"]
     assert "diagnosis" not in kinds(events)
     assert cause in result.stdout + result.stderr and cause in (run_dir / "driver.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_redis_restart_is_ridden_out_and_an_outage_past_the_grace_ends_the_job_resumable(
+    reference, tiny_corpus, tmp_path
+):
+    """redis-server killed mid-run, from outside. Back empty 3 s later: the driver re-seeds it and the job
+    ends with the reference's losses. Not back within resilience.store_grace_s: the job ends (give_up,
+    exit 1) naming the store and the checkpoint to resume from, leaves no process behind, and a new
+    launch on the same run directory finishes the reference's curve."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    port = free_port("127.0.0.1")
+    store = f"--resilience.store=redis://127.0.0.1:{port}/0"
+
+    def launch(name, *extra):
+        args = tiny_args(
+            tiny_corpus, tmp_path / name, tmp_path / "data", *JOB, NODE_CHECKS_ONLY, store, *extra
+        )
+        command = [sys.executable, "-m", "megascale.cli", "launch", *args, "--resilience.nodes=2",
+                   "--resilience.nproc_per_node=2"]  # fmt: skip
+        return subprocess.Popen(
+            command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+
+    def kill_at_step_3(redis, job, run_dir):
+        deadline = time.time() + 120
+        while max((r["step"] for r in _attempt_reports(run_dir, 0)), default=0) < 3:
+            assert time.time() < deadline and job.poll() is None, "the job did not reach step 3"
+            time.sleep(0.05)
+        redis.kill()
+        redis.wait()
+
+    redis = start_redis_server(port)
+    try:
+        job = launch("restarted")
+        kill_at_step_3(redis, job, tmp_path / "restarted")
+        time.sleep(3)
+        redis = start_redis_server(port)
+        _, err = job.communicate(timeout=300)
+        assert job.returncode == 0, err[-4000:]
+        events = read_events(tmp_path / "restarted")
+        back = next(event for event in events if event["event"] == "store_back")
+        assert back["reseeded"] and back["outage_s"] >= 3 and kinds(events)[-1] == "done"
+        assert losses(tmp_path / "restarted") == reference
+
+        job = launch("lost", "--resilience.store_grace_s=5")
+        kill_at_step_3(redis, job, tmp_path / "lost")
+        _, err = job.communicate(timeout=120)
+        events = read_events(tmp_path / "lost")
+        assert job.returncode == 1 and kinds(events)[-1] == "give_up", err[-4000:]
+        reason = events[-1]["reason"]
+        assert f"the control store redis://127.0.0.1:{port}/0 has been unreachable" in reason
+        assert "resumable from the checkpoint of step" in reason
+        assert not _processes_of(tmp_path / "lost"), "processes of the job outlived it"
+        redis = start_redis_server(port)
+        job = launch("lost")
+        _, err = job.communicate(timeout=300)
+        assert job.returncode == 0, err[-4000:]
+        assert losses(tmp_path / "lost") == reference
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        redis.kill()
+        redis.wait()
 
 
 def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):
