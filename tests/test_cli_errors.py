@@ -179,3 +179,12 @@ def test_prepare_verb_writes_a_dataset(capsys, tiny_corpus, tmp_path):
     assert (tmp_path / "ds" / "meta.json").is_file()
     assert "tokens" in capsys.readouterr().out
     np.testing.assert_array_less(0, len(list((tmp_path / "ds").glob("*.tokens"))))
+
+
+def test_a_run_that_fails_on_bad_input_says_so_in_its_train_log(capsys, tiny_corpus, tmp_path):
+    run_dir, missing = tmp_path / "run", tmp_path / "no-such-texts"
+    args = tiny_args(tiny_corpus, run_dir, tmp_path / "data", f"--data.source={missing}")
+    assert main(["train", *args]) == 2
+    said = f"error: data.source = '{missing}' does not exist"
+    assert said in capsys.readouterr().err
+    assert said in (run_dir / "train.log").read_text()

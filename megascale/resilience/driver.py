@@ -108,6 +108,7 @@ class Driver:
         self.seq = 0
         self.stop_requested = False
         self.stragglers: set[tuple[int, int]] = set()  # (attempt, rank) already reported
+        self.said_step = (-1, 0)  # (attempt, step) of the last progress line
 
     # -- executors ------------------------------------------------------------------------------------
     def _command(self, node: str, action: str, **fields: Any) -> None:
@@ -330,6 +331,8 @@ class Driver:
                         "nonfinite", attempt=attempt, step=bad_step, ranks=ranks, policy=res.nan_policy
                     )
             silent_s = traffic.observe(now, sum(beat.get("io_bytes", 0) for beat in current.values()))
+            if steps:
+                self._say_progress(attempt, reports)
             if steps and max(steps) != last_step:
                 last_step, last_change = max(steps), now
                 if not recovered:  # the first step of a restarted attempt (reports are per attempt)
@@ -691,6 +694,21 @@ class Driver:
             log.error("%s", err)
             return False
         return True
+
+    def _say_progress(self, attempt: int, reports: dict[str, dict[str, Any]]) -> None:
+        """A console and driver.log line for the newest step every rank reported, each training.log_every
+        steps and at the last: the job's pace, seen from the driver."""
+        every, steps = self.cfg.training.log_every, self.cfg.training.steps
+        step = min(report["step"] for report in reports.values())
+        said_attempt, said = self.said_step
+        if said_attempt == attempt and step // every <= said // every and not (step == steps != said):
+            return
+        self.said_step = (attempt, step)
+        at_step = [report for report in reports.values() if report["step"] == step]
+        losses = [report["loss"] for report in at_step if isinstance(report.get("loss"), float)]
+        seconds = max((report.get("step_time_s", 0.0) for report in at_step), default=0.0)
+        loss = f" | loss {sum(losses) / len(losses):.4f}" if losses else ""
+        log.info("attempt %d | step %d/%d%s | %.3f s/step", attempt, step, steps, loss, seconds)
 
     def _beat_age(self, beat: dict[str, Any], now: float | None = None) -> float:
         """How old a heartbeat is, counted from the end of the store's last outage at the earliest: no

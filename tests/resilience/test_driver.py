@@ -81,6 +81,8 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
     restart = next(event for event in events if event["event"] == "restart")
     assert fault["kind"] == "process_exit" and restart["attempt"] == 1
     assert losses(run_dir) == reference  # bit for bit, every step
+    said = (run_dir / "driver.log").read_text()  # the job's pace on the driver's console and in its log
+    assert "attempt 0 | step " in said and f"attempt 1 | step {STEPS}/{STEPS} | loss" in said
     # Every rank restarted on the node it ran on, where its snapshot buffer is.
     for node in ("node-0", "node-1"):
         ranks = [
