@@ -33,6 +33,8 @@ from megascale.checkpoint.persist import abandon
 from megascale.checkpoint.staging import is_alive
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
+from megascale.observe.hang import HANG, analyze, read_dumps
+from megascale.observe.trace import sessions
 from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
 from megascale.resilience.diagnostics import slower_than_peers
 from megascale.resilience.executor import local_address
@@ -42,6 +44,7 @@ from megascale.resilience.records import EventLog, evict, read_blocklist
 from megascale.resilience.store import ControlStore, OutageTolerantStore, StoreLost, open_store
 
 log = logging.getLogger("megascale.driver")
+HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evicted
 
 
 @dataclass
@@ -109,6 +112,8 @@ class Driver:
         self.stop_requested = False
         self.stragglers: set[tuple[int, int]] = set()  # (attempt, rank) already reported
         self.said_step = (-1, 0)  # (attempt, step) of the last progress line
+        self.attempt_started = self.last_progress_at = 0.0  # time.time() of each
+        self.hang_blames: dict[str, int] = {}  # node: hangs its ranks were blamed for
 
     # -- executors ------------------------------------------------------------------------------------
     def _command(self, node: str, action: str, **fields: Any) -> None:
@@ -252,6 +257,7 @@ class Driver:
                 train_args=self.train_args,
                 threads=threads,
             )
+        self.attempt_started = time.time()
         self.events.write("start", attempt=attempt, nodes=nodes, processes=len(nodes) * nproc)
 
     def watch(self, nodes: list[str], attempt: int) -> Fault | None:
@@ -345,6 +351,7 @@ class Driver:
                 if fault is not None:
                     return fault
             last_change = max(last_change, self.store.back_at)  # nothing could be read during an outage
+            self.last_progress_at = last_change
             if last_step >= 0 and 0 < res.comm_flat_timeout_s < min(now - last_change, silent_s):
                 return Fault(
                     "comm_flat",
@@ -616,6 +623,8 @@ class Driver:
                 self.wait_for_snapshots(nodes)
                 self.events.write("done", attempt=attempt)
                 return 0
+            if fault.kind in ("hang", "comm_flat"):
+                self.blame_hang(fault, nodes)
             self.events.write(
                 "fault",
                 attempt=attempt,
@@ -650,6 +659,14 @@ class Driver:
                 for node in self.diagnose(live, attempt):
                     evict(self.run_dir, node)
                     self.events.write("evict", node=node)
+            if fault.kind in ("hang", "comm_flat") and len(fault.extra.get("blamed", [])) == 1:
+                # A node that passes its self-check but hangs again and again is as bad as a failing one.
+                self.hang_blames[fault.node] = self.hang_blames.get(fault.node, 0) + 1
+                if self.hang_blames[fault.node] >= HANGS_TO_EVICT and fault.node not in read_blocklist(
+                    self.run_dir
+                ):
+                    evict(self.run_dir, fault.node)
+                    self.events.write("evict", node=fault.node, reason=f"blamed for {HANGS_TO_EVICT} hangs")
             if attempt >= self.res.max_restarts:
                 self.events.write(
                     "give_up", reason=f"resilience.max_restarts = {self.res.max_restarts} reached"
@@ -694,6 +711,47 @@ class Driver:
             log.error("%s", err)
             return False
         return True
+
+    def blame_hang(self, fault: Fault, nodes: list[str]) -> None:
+        """Name the ranks a hang waits for, from the state every rank writes when it stalls (the hang view,
+        observe/hang.py): waits until every rank wrote it or metrics.hang_dump_s has passed since the last
+        step (a stopped rank writes nothing, and that names it), then adds `suspect_ranks`, `reasons` and
+        `blamed` (their nodes) to the fault, whose node is the blamed one when there is one."""
+        stall_s = self.cfg.metrics.hang_dump_s
+        if stall_s <= 0 or not self.cfg.metrics.timeline:
+            return
+        world = len(nodes) * self.res.nproc_per_node
+        deadline = self.last_progress_at + stall_s + 3 * self.res.heartbeat_interval_s + 1.0
+        while True:
+            found = [
+                session / HANG for session in sessions(self.cfg.training.run_dir) if (session / HANG).is_dir()
+            ]
+            dumps = {
+                rank: dump
+                for rank, dump in (read_dumps(found[-1]) if found else {}).items()
+                if dump["time"]
+                >= self.attempt_started  # not a previous attempt's, resumed from the same step
+            }
+            if len(dumps) >= world or time.time() > deadline:
+                break
+            time.sleep(self.res.heartbeat_interval_s)
+        if not dumps:
+            return
+        analysis = analyze(dumps)
+        node_of = {
+            int(rank): node
+            for node in nodes
+            if (beat := self._beat(node))
+            for rank in beat.get("progress", {})
+        }
+        blamed = sorted({node_of[rank] for rank in analysis["suspects"] if rank in node_of})
+        fault.extra.update(
+            suspect_ranks=analysis["suspects"],
+            reasons={str(rank): why for rank, why in analysis["reasons"].items()},
+            blamed=blamed,
+        )
+        if len(blamed) == 1:
+            fault.node = blamed[0]
 
     def _say_progress(self, attempt: int, reports: dict[str, dict[str, Any]]) -> None:
         """A console and driver.log line for the newest step every rank reported, each training.log_every

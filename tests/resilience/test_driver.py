@@ -319,6 +319,67 @@ def test_a_redis_restart_is_ridden_out_and_an_outage_past_the_grace_ends_the_job
         redis.wait()
 
 
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_and_its_node_evicted_when_it_hangs_again(reference, tiny_corpus, tmp_path):
+    """SIGSTOP of rank 2 (node-1), from outside, in two attempts running: each hang is blamed on that rank
+    and node from the state the other ranks wrote (the stopped one writes none), and the second time the
+    node, though it passes its self-check, is evicted; the spare takes its place and the job finishes the
+    reference's curve."""
+    run_dir = tmp_path / "stopped"
+    args = tiny_args(
+        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
+        "--resilience.nodes=2", "--resilience.nproc_per_node=2", "--resilience.spares=1",
+        "--resilience.comm_flat_timeout_s=5", "--resilience.hang_timeout_s=300", "--metrics.hang_dump_s=2",
+        "--parallel.timeout_s=300",
+    )  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "-m", "megascale.cli", "launch", *args],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for attempt in (0, 1):
+            deadline = time.time() + 180
+            while (report := _rank_report(run_dir, attempt, 2)) is None or report["step"] < 3:
+                assert time.time() < deadline and job.poll() is None, (
+                    f"attempt {attempt} did not reach step 3"
+                )
+                time.sleep(0.05)
+            os.kill(report["pid"], signal.SIGSTOP)
+        _, err = job.communicate(timeout=400)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, err[-4000:]
+    events = read_events(run_dir)
+    faults = [event for event in events if event["event"] == "fault"]
+    assert [(f["kind"], f["node"], f["suspect_ranks"]) for f in faults] == [("comm_flat", "node-1", [2])] * 2
+    assert "wrote no state" in faults[0]["reasons"]["2"]
+    assert {"event": "evict", "node": "node-1"} in [
+        {k: e[k] for k in ("event", "node")} for e in events if e["event"] == "evict"
+    ]
+    assert next(e for e in events if e["event"] == "start" and e["attempt"] == 2)["nodes"] == [
+        "node-0",
+        "node-2",
+    ]
+    assert kinds(events)[-1] == "done" and losses(run_dir) == reference
+    assert not _processes_of(run_dir), "processes of the job outlived it"
+
+
+def _rank_report(run_dir, attempt, rank):
+    import json
+
+    for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-{rank}.json"):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):
     hang_timeout, interval = 6.0, 0.5
     run_dir = run(
