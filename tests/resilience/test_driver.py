@@ -101,9 +101,12 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
 
 
 @pytest.mark.slow
-def test_two_hosts_train_as_one_job_and_recover_a_killed_rank(reference, two_hosts, tiny_corpus, tmp_path):
+def test_two_hosts_train_as_one_job_and_recover_two_ranks_killed_at_once(
+    reference, two_hosts, tiny_corpus, tmp_path
+):
     """Executors on two hosts with their own addresses (network namespaces joined by a veth pair), started
-    by hand as Slurm or Kubernetes would; the driver on the first host; rank 3 (second host) killed."""
+    by hand as Slurm or Kubernetes would; the driver on the first host; ranks 1 and 3, one on each host,
+    killed at the same step: two faults, both on record."""
     run_dir, store = tmp_path / "two-hosts", f"tcp://{two_hosts.addresses[0]}:29500"
     args = tiny_args(tiny_corpus, run_dir, tmp_path / "data", *JOB)
     launch = two_hosts.start(
@@ -111,7 +114,8 @@ def test_two_hosts_train_as_one_job_and_recover_a_killed_rank(reference, two_hos
         [
             sys.executable, "-m", "megascale.cli", "launch", *args,
             "--resilience.executors=external", "--resilience.job_id=twohosts", f"--resilience.store={store}",
-            "--resilience.nodes=2", "--resilience.nproc_per_node=2", "--resilience.inject=kill:rank=3:step=6",
+            "--resilience.nodes=2", "--resilience.nproc_per_node=2",
+            "--resilience.inject=kill:rank=1:step=6,kill:rank=3:step=6",
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -134,8 +138,10 @@ def test_two_hosts_train_as_one_job_and_recover_a_killed_rank(reference, two_hos
     events = read_events(run_dir)
     joined = {event["node"]: event["address"] for event in events if event["event"] == "joined"}
     assert joined == {"host-a": "10.77.0.1", "host-b": "10.77.0.2"}
-    fault = next(event for event in events if event["event"] == "fault")
-    assert fault["kind"] == "process_exit" and fault["node"] == "host-b"
+    (fault,) = [event for event in events if event["event"] == "fault"]
+    assert fault["kind"] == "process_exit" and {fault["node"], *fault["also_struck"]} == {"host-a", "host-b"}
+    struck = {rank: name for rank, name in fault["signalled_ranks"].items() if name == "SIGKILL"}
+    assert struck == {"1": "SIGKILL", "3": "SIGKILL"}  # their peers got torchrun's SIGTERM
     assert kinds(events)[-1] == "done" and losses(run_dir) == reference
     # Ranks follow the addresses: 0-1 on the first host, 2-3 on the second, in both attempts.
     for host, ranks in (
@@ -208,27 +214,6 @@ def _cmdline(pid):
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-@pytest.mark.slow
-def test_two_ranks_killed_on_two_nodes_at_once_are_two_faults_on_record(reference, tiny_corpus, tmp_path):
-    run_dir = run(
-        "launch",
-        tiny_corpus,
-        tmp_path,
-        "two-killed",
-        "--resilience.nodes=2",
-        "--resilience.nproc_per_node=2",
-        "--resilience.inject=kill:rank=1:step=5,kill:rank=2:step=5",
-        NODE_CHECKS_ONLY,
-    )
-    events = read_events(run_dir)
-    (fault,) = [event for event in events if event["event"] == "fault"]
-    assert fault["kind"] == "process_exit"
-    assert {fault["node"], *fault["also_struck"]} == {"node-0", "node-1"}
-    struck = {rank: name for rank, name in fault["signalled_ranks"].items() if name == "SIGKILL"}
-    assert struck == {"1": "SIGKILL", "2": "SIGKILL"}  # their peers got torchrun's SIGTERM
-    assert kinds(events)[-1] == "done" and losses(run_dir) == reference
 
 
 def test_an_error_in_the_jobs_input_ends_the_job_at_once_with_its_cause(tiny_corpus, tmp_path):
