@@ -49,8 +49,9 @@ HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evi
 
 @dataclass
 class Fault:
-    kind: str  # process_exit | executor_lost | heartbeat_lost | hang | comm_flat | loss_spike | slow_steps |
-    # straggler
+    # process_exit | input_error | executor_lost | heartbeat_lost | hang | comm_flat | loss_spike |
+    # slow_steps | straggler
+    kind: str
     node: str | None
     detail: str
     last_progress_step: int
@@ -651,7 +652,7 @@ class Driver:
             if fault.kind == "straggler":
                 evict(self.run_dir, fault.node)
                 self.events.write("evict", node=fault.node, reason="straggler")
-            for node in set(nodes) - set(live):  # no executor to answer a self-check: failed at once
+            for node in sorted(set(nodes) - set(live)):  # no executor to answer a self-check: failed at once
                 self.events.write("diagnosis", node=node, passed=False, reason="executor gone")
                 evict(self.run_dir, node)
                 self.events.write("evict", node=node)
