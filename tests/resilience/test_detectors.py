@@ -141,6 +141,8 @@ def test_a_save_waiting_for_a_dead_nodes_share_is_abandoned_and_the_driver_goes_
     class Beats:
         """node-0 coordinates save s8 until it is abandoned; node-1 has nothing left to persist."""
 
+        back_at = 0.0  # no store outage
+
         def fetch(self, key):
             waiting = not (final / abandon_marker("s8")).exists()
             coordinator = {"snapshots_pending": 1, "snapshot_waiting": {"final": str(final), "save_id": "s8"}}
@@ -159,6 +161,8 @@ def test_a_save_waiting_for_a_dead_nodes_share_is_abandoned_and_the_driver_goes_
 
 class Beats:
     """The driver's view of the store: each node's heartbeat, as a test sets it."""
+
+    back_at = 0.0  # no store outage
 
     def __init__(self, beats):
         self.beats = beats
