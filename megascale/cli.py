@@ -8,7 +8,6 @@ before the inputs have been checked.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -440,22 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {err}", file=sys.stderr)
-        _log_to_files(f"error: {err}")
         status = getattr(err, "exit_status", 2)
         if status == 2:  # the input's fault, which a restart would meet again (not a rollback's 3)
             from megascale.resilience.client import report_input_error
 
             report_input_error(str(err))
         return status
-
-
-def _log_to_files(line: str) -> None:
-    """`line` into the log files megascale's logger writes (train.log, driver.log), when it writes any: the
-    console has it already, and a run directory should say how its run ended."""
-    logger = logging.getLogger("megascale")
-    for handler in logger.handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, line, None, None))
 
 
 if __name__ == "__main__":

@@ -31,13 +31,13 @@ from megascale.checkpoint.stateful import ModelState, OptimizerState, Schedulers
 from megascale.config import JobConfig, to_dict
 from megascale.data import build_dataloaders
 from megascale.data.dataset import IGNORE_INDEX
-from megascale.errors import CheckpointError, ConfigError, NonFiniteError
+from megascale.errors import CheckpointError, ConfigError, MegascaleError, NonFiniteError
 from megascale.gc_control import AlignedGC
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
 from megascale.observe.instruments import Instruments, StepMetrics, format_record
 from megascale.observe.metrics import MetricsWriter
-from megascale.observe.progress import TrainingProgress, make_console, setup_logging
+from megascale.observe.progress import TrainingProgress, log_to_files, make_console, setup_logging
 from megascale.observe.timeline import Timeline
 from megascale.optim import apply_settings, build_lr_scheduler, build_optimizer
 from megascale.optim.clip import clip_by_global_norm
@@ -96,10 +96,12 @@ class Trainer(Stateful):
     """
 
     def __init__(self, cfg: JobConfig, *, console: Any = None, debug: bool = False):
+        self._logging = False  # whether this run's train.log is set up
         try:
             self._build(cfg, console, debug)
-        except BaseException:
+        except BaseException as err:
             self._stop_threads()  # a refused resume, say: nothing it started keeps running
+            self._log_error(err)
             raise
 
     def _build(self, cfg: JobConfig, console: Any, debug: bool) -> None:
@@ -119,6 +121,7 @@ class Trainer(Stateful):
         elif init_from is not None:
             check_model_matches(init_from, read_manifest(init_from), cfg.model)
         setup_logging(self.run_dir, self.console, debug, rank=self.rank)
+        self._logging = True
 
         if training.threads is not None:
             torch.set_num_threads(training.threads)
@@ -293,8 +296,9 @@ class Trainer(Stateful):
             steps_run = self._run_steps(end, writer, summary)
             if summary["interrupted"] and self.cfg.checkpoint.enabled:
                 self.save_checkpoint()
-        except BaseException:
+        except BaseException as err:
             self._stop_threads()  # not the save in flight, which may wait on ranks that are gone
+            self._log_error(err)
             raise
         finally:
             writer.close()
@@ -351,6 +355,12 @@ class Trainer(Stateful):
                     with self.timeline.span("gc", step=self.step):
                         collector.collect()
         return steps_run
+
+    def _log_error(self, err: BaseException) -> None:
+        """A user's error (bad data, a refused resume) also in this run's train.log, which says how the run
+        ended; the CLI prints it to the console."""
+        if self._logging and isinstance(err, MegascaleError):
+            log_to_files(f"error: {err}")
 
     def _stop_threads(self) -> None:
         """End this process's threads and leave the node's shared ring: the loader's and the instruments'

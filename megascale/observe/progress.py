@@ -67,6 +67,14 @@ def setup_logging(
         log.addHandler(file_handler)
 
 
+def log_to_files(line: str) -> None:
+    """`line` (an error) into the log files of megascale's logger only: the console has it already from the
+    CLI, and the run directory should say how its run ended."""
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None))
+
+
 def make_console() -> Console:
     """A console on stderr (resolved at each write, so a replaced sys.stderr is honoured); stdout stays
     free for what a command outputs."""

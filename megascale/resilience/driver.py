@@ -45,6 +45,7 @@ from megascale.resilience.store import ControlStore, OutageTolerantStore, StoreL
 
 log = logging.getLogger("megascale.driver")
 HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evicted
+BLAME_WAIT_S = 10.0  # the longest a hang's restart waits for the ranks' stall states
 
 
 @dataclass
@@ -624,8 +625,6 @@ class Driver:
                 self.wait_for_snapshots(nodes)
                 self.events.write("done", attempt=attempt)
                 return 0
-            if fault.kind in ("hang", "comm_flat"):
-                self.blame_hang(fault, nodes)
             self.events.write(
                 "fault",
                 attempt=attempt,
@@ -635,6 +634,9 @@ class Driver:
                 last_step=fault.last_progress_step,
                 **fault.extra,
             )
+            named = self.blame_hang(nodes) if fault.kind in ("hang", "comm_flat") else None
+            if named is not None:
+                self.events.write("blame", attempt=attempt, **named)
             if fault.kind == "input_error":
                 self.stop_nodes(nodes)
                 self.wait_for_snapshots(nodes)
@@ -660,14 +662,13 @@ class Driver:
                 for node in self.diagnose(live, attempt):
                     evict(self.run_dir, node)
                     self.events.write("evict", node=node)
-            if fault.kind in ("hang", "comm_flat") and len(fault.extra.get("blamed", [])) == 1:
+            if named is not None and len(named["nodes"]) == 1:
                 # A node that passes its self-check but hangs again and again is as bad as a failing one.
-                self.hang_blames[fault.node] = self.hang_blames.get(fault.node, 0) + 1
-                if self.hang_blames[fault.node] >= HANGS_TO_EVICT and fault.node not in read_blocklist(
-                    self.run_dir
-                ):
-                    evict(self.run_dir, fault.node)
-                    self.events.write("evict", node=fault.node, reason=f"blamed for {HANGS_TO_EVICT} hangs")
+                (node,) = named["nodes"]
+                self.hang_blames[node] = self.hang_blames.get(node, 0) + 1
+                if self.hang_blames[node] >= HANGS_TO_EVICT and node not in read_blocklist(self.run_dir):
+                    evict(self.run_dir, node)
+                    self.events.write("evict", node=node, reason=f"blamed for {HANGS_TO_EVICT} hangs")
             if attempt >= self.res.max_restarts:
                 self.events.write(
                     "give_up", reason=f"resilience.max_restarts = {self.res.max_restarts} reached"
@@ -713,16 +714,18 @@ class Driver:
             return False
         return True
 
-    def blame_hang(self, fault: Fault, nodes: list[str]) -> None:
-        """Name the ranks a hang waits for, from the state every rank writes when it stalls (the hang view,
-        observe/hang.py): waits until every rank wrote it or metrics.hang_dump_s has passed since the last
-        step (a stopped rank writes nothing, and that names it), then adds `suspect_ranks`, `reasons` and
-        `blamed` (their nodes) to the fault, whose node is the blamed one when there is one."""
+    def blame_hang(self, nodes: list[str]) -> dict[str, Any] | None:
+        """The ranks a hang waits for and their nodes, from the state every rank writes when it stalls (the
+        hang view, observe/hang.py): read once every rank wrote it, or metrics.hang_dump_s after the last
+        step (a stopped rank writes nothing, and that names it), waiting BLAME_WAIT_S at most."""
         stall_s = self.cfg.metrics.hang_dump_s
         if stall_s <= 0 or not self.cfg.metrics.timeline:
-            return
+            return None
         world = len(nodes) * self.res.nproc_per_node
-        deadline = self.last_progress_at + stall_s + 3 * self.res.heartbeat_interval_s + 1.0
+        deadline = min(
+            self.last_progress_at + stall_s + 3 * self.res.heartbeat_interval_s + 1.0,
+            time.time() + BLAME_WAIT_S,
+        )
         while True:
             found = [
                 session / HANG for session in sessions(self.cfg.training.run_dir) if (session / HANG).is_dir()
@@ -737,7 +740,7 @@ class Driver:
                 break
             time.sleep(self.res.heartbeat_interval_s)
         if not dumps:
-            return
+            return None
         analysis = analyze(dumps)
         node_of = {
             int(rank): node
@@ -745,14 +748,11 @@ class Driver:
             if (beat := self._beat(node))
             for rank in beat.get("progress", {})
         }
-        blamed = sorted({node_of[rank] for rank in analysis["suspects"] if rank in node_of})
-        fault.extra.update(
-            suspect_ranks=analysis["suspects"],
-            reasons={str(rank): why for rank, why in analysis["reasons"].items()},
-            blamed=blamed,
-        )
-        if len(blamed) == 1:
-            fault.node = blamed[0]
+        return {
+            "suspect_ranks": analysis["suspects"],
+            "reasons": {str(rank): why for rank, why in analysis["reasons"].items()},
+            "nodes": sorted({node_of[rank] for rank in analysis["suspects"] if rank in node_of}),
+        }
 
     def _say_progress(self, attempt: int, reports: dict[str, dict[str, Any]]) -> None:
         """A console and driver.log line for the newest step every rank reported, each training.log_every
