@@ -418,9 +418,12 @@ def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp
         "--resilience.hang_timeout_s=300",
         f"--resilience.comm_flat_timeout_s={flat_timeout}",
         "--parallel.timeout_s=300",
+        "--metrics.hang_dump_s=2",
         NODE_CHECKS_ONLY,
     )
     events = read_events(run_dir)
+    blame = next(event for event in events if event["event"] == "blame")
+    assert blame["suspect_ranks"] == [0] and blame["nodes"] == ["node-0"]  # the hung rank, by its own state
     fault = next(event for event in events if event["event"] == "fault")
     assert fault["kind"] == "comm_flat" and fault["last_step"] == 4
     last_progress = max(record["time"] for record in _attempt_reports(run_dir, 0) if record["step"] == 4)
