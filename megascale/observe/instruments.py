@@ -147,7 +147,7 @@ class Instruments:
         fix = {
             "config": "correct --training.peak_tflops",
             "table": "the device's entry in megascale/observe/peak.py is wrong",
-            "measured": "it was measured on a busy machine; the next run measures it again",
+            "measured": "measured too low, on a busy machine perhaps; the next run measures it again",
         }[peak.source]
         log.warning(
             "MFU not shown: this run computes %.3g TFLOP/s per process, above the %s peak of %.3g TFLOP/s "
