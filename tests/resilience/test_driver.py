@@ -1,6 +1,7 @@
 """`megascale launch` end to end: real executors, torchrun and workers; faults injected, detected from
 heartbeats, diagnosed, evicted and recovered from, with the events log as the record."""
 
+import json
 import os
 import random
 import shutil
@@ -170,18 +171,9 @@ def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
         tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
         "--resilience.nodes=2", "--resilience.nproc_per_node=2",
     )  # fmt: skip
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "megascale.cli", "launch", *args],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launch = start_launch(args, tmp_path)
     try:
-        deadline = time.time() + 120
-        while max((r["step"] for r in _attempt_reports(run_dir, 0)), default=0) < 3:
-            assert time.time() < deadline and launch.poll() is None, "the job did not reach step 3"
-            time.sleep(0.05)
+        wait_for_step(launch, run_dir, attempt=0, step=3)
         (executor,) = [pid for pid in _processes_of(run_dir) if b"node-1" in _cmdline(pid)]
         os.kill(executor, signal.SIGKILL)
         killed_at = time.time()
@@ -207,6 +199,27 @@ def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
     assert losses(run_dir) == reference
     assert not _processes_of(run_dir), "processes of the job outlived it"
     assert not list(base.glob("megascale-*")), "the job's staging outlived it"
+
+
+def start_launch(args, cwd):
+    """`megascale launch` with `args` in the background; its stderr kept for the failure message."""
+    command = [sys.executable, "-m", "megascale.cli", "launch", *args]
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(job, run_dir, attempt, step, rank="*", timeout_s=120):
+    """Until a rank of `attempt` (`rank`, else any) reports `step` or later, while `job` runs; the report."""
+    deadline = time.time() + timeout_s
+    while True:
+        for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-{rank}.json"):
+            try:
+                report = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # replaced while read
+            if report["step"] >= step:
+                return report
+        assert time.time() < deadline and job.poll() is None, f"attempt {attempt} did not reach step {step}"
+        time.sleep(0.05)
 
 
 def _cmdline(pid):
@@ -255,17 +268,10 @@ def test_a_redis_restart_is_ridden_out_and_an_outage_past_the_grace_ends_the_job
         args = tiny_args(
             tiny_corpus, tmp_path / name, tmp_path / "data", *JOB, NODE_CHECKS_ONLY, store, *extra
         )
-        command = [sys.executable, "-m", "megascale.cli", "launch", *args, "--resilience.nodes=2",
-                   "--resilience.nproc_per_node=2"]  # fmt: skip
-        return subprocess.Popen(
-            command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+        return start_launch([*args, "--resilience.nodes=2", "--resilience.nproc_per_node=2"], tmp_path)
 
     def kill_at_step_3(redis, job, run_dir):
-        deadline = time.time() + 120
-        while max((r["step"] for r in _attempt_reports(run_dir, 0)), default=0) < 3:
-            assert time.time() < deadline and job.poll() is None, "the job did not reach step 3"
-            time.sleep(0.05)
+        wait_for_step(job, run_dir, attempt=0, step=3)
         redis.kill()
         redis.wait()
 
@@ -317,21 +323,10 @@ def test_a_stopped_rank_is_named_and_its_node_evicted_when_it_hangs_again(refere
         "--resilience.comm_flat_timeout_s=5", "--resilience.hang_timeout_s=300", "--metrics.hang_dump_s=2",
         "--parallel.timeout_s=300",
     )  # fmt: skip
-    job = subprocess.Popen(
-        [sys.executable, "-m", "megascale.cli", "launch", *args],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_launch(args, tmp_path)
     try:
         for attempt in (0, 1):
-            deadline = time.time() + 180
-            while (report := _rank_report(run_dir, attempt, 2)) is None or report["step"] < 3:
-                assert time.time() < deadline and job.poll() is None, (
-                    f"attempt {attempt} did not reach step 3"
-                )
-                time.sleep(0.05)
+            report = wait_for_step(job, run_dir, attempt, step=3, rank=2, timeout_s=180)
             os.kill(report["pid"], signal.SIGSTOP)
         _, err = job.communicate(timeout=400)
     finally:
@@ -353,17 +348,6 @@ def test_a_stopped_rank_is_named_and_its_node_evicted_when_it_hangs_again(refere
     ]
     assert kinds(events)[-1] == "done" and losses(run_dir) == reference
     assert not _processes_of(run_dir), "processes of the job outlived it"
-
-
-def _rank_report(run_dir, attempt, rank):
-    import json
-
-    for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-{rank}.json"):
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-    return None
 
 
 def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):
@@ -482,8 +466,6 @@ def _processes_of(run_dir):
 
 
 def _attempt_reports(run_dir, attempt):
-    import json
-
     return [json.loads(path.read_text()) for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-*.json")]
 
 
