@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.persist import abandon
-from megascale.checkpoint.staging import is_alive
+from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
 from megascale.observe.hang import HANG, analyze, read_dumps
@@ -42,6 +42,14 @@ from megascale.resilience.inject import INJECT, active_faults
 from megascale.resilience.links import blame, link_rounds
 from megascale.resilience.records import EventLog, evict, read_blocklist
 from megascale.resilience.store import ControlStore, OutageTolerantStore, StoreLost, open_store
+from megascale.resilience.takeover import (
+    AdoptedProcess,
+    last_attempt,
+    read_record,
+    registrations,
+    remove_record,
+    write_record,
+)
 
 log = logging.getLogger("megascale.driver")
 HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evicted
@@ -105,12 +113,18 @@ class Driver:
         self.job = cfg.resilience.job_id or uuid.uuid4().hex[:8]
         self.events = EventLog(run_dir)
         self.store: ControlStore | None = None
-        self.executors: dict[str, subprocess.Popen] = {}  # the ones this driver started (local)
+        # The executors this driver started (local), or adopted from a killed driver that started them.
+        self.executors: dict[str, subprocess.Popen | AdoptedProcess] = {}
         self.registered: dict[str, dict[str, Any]] = {}  # every executor that joined, by node name
         self.tickets_read = 0
         self.tickets: list[dict[str, Any]] = []  # every registration read, by ticket (to re-seed a store)
         self.commands: dict[str, dict[str, Any]] = {}  # the last command sent to each node (likewise)
-        self.seq = 0
+        # Commands are numbered from the clock, so a driver taking the job over numbers its commands after
+        # those its executors have already seen.
+        self.seq = time.time_ns() // 1000
+        self.previous = read_record(run_dir)  # a killed driver's record: this one takes its job over
+        if self.previous is not None:
+            self.job = self.previous["job"]
         self.stop_requested = False
         self.stragglers: set[tuple[int, int]] = set()  # (attempt, rank) already reported
         self.said_step = (-1, 0)  # (attempt, step) of the last progress line
@@ -133,7 +147,7 @@ class Driver:
 
     def _start_executor(self, index: int) -> None:
         node = f"node-{index}"
-        self.executors[node] = subprocess.Popen(
+        self.executors[node] = subprocess.Popen(  # type: ignore[assignment]
             [
                 sys.executable,
                 "-m",
@@ -155,6 +169,11 @@ class Driver:
             ],
             start_new_session=True,
         )
+        self._write_record()
+
+    def _write_record(self) -> None:
+        executors = {node: process_identity(proc.pid) for node, proc in self.executors.items()}
+        write_record(self.run_dir, self.job, self.store.url, executors)
 
     def executor_exited(self, node: str) -> bool:
         """Whether `node`'s executor is one this driver started, and it has exited."""
@@ -191,6 +210,9 @@ class Driver:
         """Start `node`'s executor again (one this driver started) and wait for its first heartbeat: it
         adopts the node's staging directory and persists the snapshots the dead one had not."""
         old = self.executors.pop(node)
+        if old.poll() is None:  # its heartbeat stopped, but it lives: hung
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(old.pid, signal.SIGKILL)
         old.wait()
         started = time.time()
         self._start_executor(int(node.rsplit("-", 1)[1]))
@@ -238,6 +260,54 @@ class Driver:
             time.sleep(min(0.2, self.res.heartbeat_interval_s))
         return nodes
 
+    # -- taking over from a killed driver -------------------------------------------------------------
+    def _adopt(self) -> None:
+        """Take the job of a killed driver over (resilience/takeover.py): put its executors' registrations
+        back in a store that died with it, adopt the executors it started that still live, and start again
+        those that died."""
+        self.events.write("takeover", job=self.job, previous_pid=self.previous["identity"]["pid"])
+        known = registrations(self.run_dir)
+        self.registered.update((info["node"], info) for info in known)  # joined before: no new event
+        if self.store.add("registered", 0) == 0:
+            self.store.add("registered", len(known))
+            for ticket, info in enumerate(known):
+                self.store.put(f"node/{ticket}", info)
+        blocked = read_blocklist(self.run_dir)
+        for node, identity in self.previous["executors"].items():
+            if is_alive(identity):
+                self.executors[node] = AdoptedProcess(identity)
+            elif node not in blocked:
+                self._start_executor(int(node.rsplit("-", 1)[1]))
+        self._write_record()
+
+    def _resume_point(self) -> tuple[int, list[str], bool]:
+        """(attempt, its nodes, whether it runs already): a new job's first attempt; for a job taken over,
+        the attempt its executors still run (watched on, no step lost), else the next one."""
+        last = last_attempt(self.run_dir) if self.previous else None
+        if last is None:
+            return 0, self.wait_for_nodes()[: self.res.nodes], False
+        attempt, nodes = last["attempt"], last["nodes"]
+        deadline = time.time() + self.res.heartbeat_timeout_s  # executors reconnect within their interval
+        while True:
+            self.discover()
+            beats = [self._beat(node) for node in nodes]
+            if all(beat and beat.get("attempt") == attempt and beat["state"] != "idle" for beat in beats):
+                self.attempt_started = last["time"]
+                self.events.write("adopted", attempt=attempt, nodes=nodes)
+                return attempt, nodes, True
+            if time.time() > deadline:
+                break
+            time.sleep(min(0.2, self.res.heartbeat_interval_s))
+        # Not every node runs it (the killed driver was stopping it, or starting the next): the next one,
+        # numbered after any a node may have been told to start.
+        live = [node for node in nodes if not self.executor_gone(node)]
+        self.stop_nodes(live)
+        self.wait_for_snapshots(live)
+        self.events.write("stopped", attempt=attempt, nodes=nodes)
+        attempt = max([attempt, *(beat.get("attempt") or 0 for beat in beats if beat)]) + 1
+        self.events.write("restart", attempt=attempt, checkpoint_step=self._verified_checkpoint_step())
+        return attempt, self.wait_for_nodes()[: self.res.nodes], False
+
     # -- one attempt ----------------------------------------------------------------------------------
     def start_attempt(self, nodes: list[str], attempt: int) -> None:
         nproc = self.res.nproc_per_node
@@ -262,12 +332,12 @@ class Driver:
         self.attempt_started = time.time()
         self.events.write("start", attempt=attempt, nodes=nodes, processes=len(nodes) * nproc)
 
-    def watch(self, nodes: list[str], attempt: int) -> Fault | None:
-        """Until the attempt ends: None when every node finished cleanly, else the first fault seen."""
+    def watch(self, nodes: list[str], attempt: int, recovered: bool = True) -> Fault | None:
+        """Until the attempt ends: None when every node finished cleanly, else the first fault seen.
+        `recovered=False`: a restart whose first step is still to come (the `recovered` event)."""
         res = self.res
         started = time.time()
         last_step, last_change = -1, started
-        recovered = attempt == 0
         reported_nonfinite: set[int] = set()
         loss_spike = LossSpike(res.loss_spike_z, res.anomaly_window)
         slow_steps = StepTimeCollapse(res.step_time_factor, res.anomaly_window)
@@ -544,10 +614,11 @@ class Driver:
 
     # -- the job --------------------------------------------------------------------------------------
     def run(self) -> int:
+        url = self.previous["store"] if self.previous else self.res.store  # where the executors look
         self.store = OutageTolerantStore(
-            open_store(self.res.store, job=self.job, host=True), self.res.store_grace_s, self._reseed
+            open_store(url, job=self.job, host=True), self.res.store_grace_s, self._reseed
         )
-        if self.store.fetch("driver") is not None:  # a Redis server keeps a finished job's keys
+        if self.previous is None and self.store.fetch("driver") is not None:  # Redis keeps a job's keys
             raise ConfigError(
                 f"resilience.job_id = {self.job!r} was used by an earlier driver on {self.res.store}; "
                 "give this run a new id"
@@ -562,7 +633,10 @@ class Driver:
             spares=self.res.spares,
         )
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        if self.res.executors == "local":
+        self._write_record()
+        if self.previous is not None:
+            self._adopt()
+        elif self.res.executors == "local":
             self.start_executors()
         store_lost = None
         try:
@@ -594,6 +668,7 @@ class Driver:
                     proc.wait()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            remove_record(self.run_dir)
 
     def _wait_until_left(self, nodes: list[str]) -> None:
         """Until every live executor has said its last word (a TCPStore closes with this driver)."""
@@ -608,14 +683,17 @@ class Driver:
             time.sleep(0.1)
 
     def _loop(self) -> int:
-        attempt = 0
-        nodes = self.wait_for_nodes()[: self.res.nodes]
+        attempt, nodes, running = self._resume_point()
         while True:
-            if not self._layout_fits(len(nodes)):
-                self.events.write("give_up", reason=f"{len(nodes)} healthy nodes cannot run the job's layout")
-                return 1
-            self.start_attempt(nodes, attempt)
-            fault = self.watch(nodes, attempt)
+            if not running:
+                if not self._layout_fits(len(nodes)):
+                    self.events.write(
+                        "give_up", reason=f"{len(nodes)} healthy nodes cannot run the job's layout"
+                    )
+                    return 1
+                self.start_attempt(nodes, attempt)
+            fault = self.watch(nodes, attempt, recovered=running or attempt == 0)
+            running = False
             if self.stop_requested:
                 self.stop_nodes(nodes, "terminate")
                 self.wait_for_snapshots(nodes)

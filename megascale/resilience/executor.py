@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister
+from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister, pending, persist
 from megascale.checkpoint.staging import claim, process_identity, remove_stale, staging_base
 from megascale.errors import ConfigError
 from megascale.resilience.client import HEARTBEAT_DIR, read_input_errors, read_progress
 from megascale.resilience.inject import ATTEMPT
-from megascale.resilience.store import OutageTolerantStore, open_store
+from megascale.resilience.store import OutageTolerantStore, StoreLost, open_store
 
 ERROR_KEYWORDS = re.compile(
     r"traceback|error|nccl|gloo|segmentation fault|core dumped|killed|exitcode", re.ASCII | re.IGNORECASE
@@ -67,9 +67,12 @@ class Executor:
         connect_timeout_s: float = 30.0,
         store_grace_s: float = 60.0,
     ):
-        # A store outage (a Redis restart) is ridden out for store_grace_s: the node trains on meanwhile.
+        # A store outage (a Redis restart, a driver restarted on its TCPStore's port) is ridden out for
+        # store_grace_s: the node trains on meanwhile.
         self.store = OutageTolerantStore(
-            open_store(store_url, job=job, timeout_s=connect_timeout_s), store_grace_s
+            open_store(store_url, job=job, timeout_s=connect_timeout_s),
+            store_grace_s,
+            reopen=lambda: open_store(store_url, job=job, timeout_s=min(5.0, store_grace_s)),
         )
         self.store_url, self.job = store_url, job
         self._check_driver(connect_timeout_s)
@@ -204,6 +207,22 @@ class Executor:
         self.stop()
         self.persister.stop()
 
+    def abandon_node(self, marker_timeout_s: float = 10.0) -> None:
+        """The driver is gone for good (its store never came back, or SIGTERM): stop the node's processes,
+        persist the snapshots they left (the job ends resumable from the newest), free the node's memory."""
+        self.close()
+        for staged in pending(self.staging_dir):
+            try:
+                persist(staged, marker_timeout_s)
+            except Exception as err:  # noqa: BLE001 (an older checkpoint still resumes the job)
+                log.error("executor %s: persisting %s failed: %s", self.node, staged.name, err)
+        self.remove_staging()
+
+    def remove_staging(self) -> None:
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
+            self.staging_dir.parent.rmdir()
+
     def diagnose(self, command: dict[str, Any]) -> None:
         from megascale.resilience.diagnostics import run_self_check
 
@@ -298,9 +317,7 @@ class Executor:
                     self.check_links(command)
                 elif action == "exit":
                     self.stop()
-                    shutil.rmtree(self.staging_dir, ignore_errors=True)
-                    with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
-                        self.staging_dir.parent.rmdir()
+                    self.remove_staging()
                     self.heartbeat(left=True)  # the last word: the driver may close the store after it
                     return
             self.heartbeat()
@@ -416,10 +433,14 @@ def run_executor(args: argparse.Namespace) -> int:
         args.connect_timeout,
         args.store_grace,
     )
-    signal.signal(signal.SIGTERM, lambda *_: (executor.stop(), sys.exit(0)))
+    signal.signal(signal.SIGTERM, lambda *_: (executor.abandon_node(), sys.exit(0)))
     try:
         executor.run()
-    except Exception as err:  # noqa: BLE001 (most often the store is gone, and the driver with it)
+    except StoreLost as err:
+        log.error("executor %s stops its node's processes: %s", args.node, err)
+        executor.abandon_node()
+        return 1
+    except Exception as err:  # noqa: BLE001
         log.error(
             "executor %s stops its node's processes after %s: %s (the driver's store is %s)",
             args.node,

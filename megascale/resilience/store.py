@@ -109,12 +109,17 @@ class OutageTolerantStore:
     """A ControlStore that rides out its server's outage: a call that fails for want of the server is
     retried until the server answers again or `grace_s` has passed since the outage began (then
     StoreLost). `on_return(store)` runs once the server answers again, before the call that waited: a
-    Redis restarted empty is seeded there."""
+    Redis restarted empty is seeded there. `reopen()`, if given, makes a new client after a failure: a
+    TCPStore client never reconnects by itself (its socket stays broken once its server is gone)."""
 
     def __init__(
-        self, store: ControlStore, grace_s: float, on_return: Callable[[ControlStore], None] | None = None
+        self,
+        store: ControlStore,
+        grace_s: float,
+        on_return: Callable[[ControlStore], None] | None = None,
+        reopen: Callable[[], ControlStore] | None = None,
     ):
-        self.inner, self.grace_s, self.on_return = store, grace_s, on_return
+        self.inner, self.grace_s, self.on_return, self.reopen = store, grace_s, on_return, reopen
         self.url = store.url
         self.outage_since: float | None = None
         self.back_at = 0.0  # when the last outage ended (time.time(); 0: none yet)
@@ -122,10 +127,14 @@ class OutageTolerantStore:
 
     def _call(self, method: str, *args: Any) -> Any:
         errors = _outage_errors()
+        broken = False
         while True:
             try:
+                if broken and self.reopen is not None:
+                    self.inner = self.reopen()
                 result = getattr(self.inner, method)(*args)
             except errors as err:
+                broken = True
                 now = time.time()
                 self.outage_since = self.outage_since or now
                 if now - self.outage_since > self.grace_s:

@@ -201,6 +201,49 @@ def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
     assert not list(base.glob("megascale-*")), "the job's staging outlived it"
 
 
+def test_a_killed_driver_started_again_takes_the_job_over_without_losing_a_step(
+    reference, tiny_corpus, tmp_path, monkeypatch
+):
+    """SIGKILL of the driver mid-run, from outside: its executors and their ranks train on (they ride out
+    the loss of its store); `megascale launch` again on the same run directory serves the store again,
+    adopts the executors and the attempt they run, and the job ends in that one attempt with the
+    reference's losses and nothing left behind. A second launch while a driver runs is refused."""
+    base = tmp_path / "shm"
+    monkeypatch.setenv(BASE, str(base))
+    run_dir = tmp_path / "driver-killed"
+    args = tiny_args(
+        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
+        "--resilience.nodes=2", "--resilience.nproc_per_node=2",
+    )  # fmt: skip
+    launch = start_launch(args, tmp_path)
+    try:
+        wait_for_step(launch, run_dir, attempt=0, step=2)
+        refused = subprocess.run(
+            [sys.executable, "-m", "megascale.cli", "launch", *args],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert refused.returncode != 0 and f"a driver (pid {launch.pid}) already runs" in refused.stderr
+        launch.kill()
+        launch.wait()
+        killed_at = time.time()
+        launch = start_launch(args, tmp_path)
+        _, err = launch.communicate(timeout=300)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+    assert launch.returncode == 0, err[-4000:]
+    events = read_events(run_dir)
+    assert "takeover" in kinds(events) and kinds(events)[-1] == "done"
+    adopted = next(event for event in events if event["event"] == "adopted")
+    assert adopted["attempt"] == 0 and "fault" not in kinds(events) and kinds(events).count("start") == 1
+    print(f"job adopted {adopted['time'] - killed_at:.1f} s after the driver was killed")
+    assert losses(run_dir) == reference
+    assert not (run_dir / "driver.json").exists()
+    assert not _processes_of(run_dir), "processes of the job outlived it"
+    assert not list(base.glob("megascale-*")), "the job's staging outlived it"
+
+
 def start_launch(args, cwd):
     """`megascale launch` with `args` in the background; its stderr kept for the failure message."""
     command = [sys.executable, "-m", "megascale.cli", "launch", *args]

@@ -1,8 +1,11 @@
 """The control store through both back ends: TCPStore (hosted here) and a real Redis server."""
 
+import gc
+import threading
+
 import pytest
 
-from megascale.resilience.store import open_store
+from megascale.resilience.store import OutageTolerantStore, open_store
 
 
 @pytest.fixture(params=["tcp", "redis"])
@@ -83,3 +86,20 @@ def test_an_executor_refuses_another_jobs_driver_and_a_driver_refuses_a_used_job
     open_store(redis_url, job="reused").put("driver", {"job": "reused", "time": 0})  # an earlier run's
     with pytest.raises(ConfigError, match="was used by an earlier driver"):
         Driver(cfg, [], tmp_path).run()
+
+
+def test_a_tcpstore_client_reaches_its_server_started_again_on_the_same_port():
+    """A TCPStore client's socket stays broken once its server is gone; the outage-tolerant store makes
+    a new client, so executors reach a driver started again on the dead one's port (a takeover)."""
+    server = open_store("tcp://127.0.0.1:0", job="j", host=True)
+    url = server.url
+    client = OutageTolerantStore(
+        open_store(url, job="j"), grace_s=20, reopen=lambda: open_store(url, job="j", timeout_s=2)
+    )
+    client.put("a", 1)
+    del server  # the driver dies, and its store with it
+    gc.collect()
+    restarted = {}
+    threading.Timer(1.0, lambda: restarted.update(server=open_store(url, job="j", host=True))).start()
+    client.put("a", 2)  # rides out the outage on a new connection
+    assert restarted["server"].fetch("a") == 2 and client.outages
