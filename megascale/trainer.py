@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, load_checkpoint, read_manifest
+from megascale.checkpoint.ledger import LEDGER, check_not_lost, record_start
 from megascale.checkpoint.resume import changes_since, check_model_matches, check_resumable
 from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
 from megascale.config import JobConfig, to_dict
@@ -133,6 +134,7 @@ class Trainer(Stateful):
             keep=cfg.checkpoint.keep,
             async_save=cfg.checkpoint.async_save,
             process_group=dims.checkpoint_group() if self.mesh is not None else None,
+            ledger=self.run_dir / LEDGER,
         )
         self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
         self.grad_accum_steps = training.global_batch_size // dims.dp // training.micro_batch_size
@@ -198,6 +200,11 @@ class Trainer(Stateful):
                 f"checkpoint: every checkpoint under {checkpoint_root} failed verification (see the warnings "
                 "above); move them away, or start afresh with --checkpoint.resume=false"
             )
+        if resume_from is None and cfg.checkpoint.enabled:
+            if cfg.checkpoint.resume:
+                check_not_lost(self.run_dir / LEDGER, checkpoint_root)
+            if self.rank == 0:
+                record_start(self.run_dir / LEDGER, checkpoint_root)
         if resume_from is not None:
             check_resumable(resume_from, read_manifest(resume_from), cfg)
             replicas = dims.replica_group(self.mesh) if self.mesh is not None else None

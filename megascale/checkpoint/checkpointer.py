@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from megascale.checkpoint.ledger import record_commit
 from megascale.checkpoint.manifest import (
     MANIFEST,
     commit,
@@ -194,9 +196,11 @@ class Checkpointer:
         *,
         async_save: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        ledger: Path | None = None,
     ):
         self.root = str(root)
         self.keep = keep
+        self.ledger = ledger  # where commits are recorded (checkpoint/ledger.py), if anywhere
         self.async_save = async_save
         self.process_group = process_group
         self._stage_two: threading.Thread | None = None
@@ -223,6 +227,7 @@ class Checkpointer:
             )
             if _is_main():
                 commit(location, descriptor)
+                record_commit(self.ledger, step, location)
                 prune(self.root, self.keep)
                 log.info(
                     "checkpoint: saved step %d to %s in %.2f s", step, location, time.perf_counter() - started
@@ -307,6 +312,7 @@ class Checkpointer:
                 save_id=save_id[0],
                 nodes=nodes,
                 node=node_name(),
+                ledger=str(self.ledger) if self.ledger else None,
             )
         self._barrier()  # every node has marked its share ready: the buffers are no longer the only copy
         self._snapshot().release()

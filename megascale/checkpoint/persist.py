@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megascale.checkpoint.ledger import record_commit
 from megascale.checkpoint.manifest import CHUNK, MANIFEST, commit, join, prune, split_location
 from megascale.checkpoint.staging import staging_base
 
@@ -158,6 +159,7 @@ def _commit_when_all_nodes_are_in(final: str, ready: dict[str, Any], timeout_s: 
         with fs.open(marker, "r") as file:
             files.update(json.load(file))
     commit(final, ready["descriptor"], files)
+    record_commit(ready.get("ledger"), ready["descriptor"]["step"], final)
     for entry in fs.ls(path, detail=False):
         if entry.rsplit("/", 1)[-1].startswith((".node-", ".abandoned-")):
             fs.rm(entry)

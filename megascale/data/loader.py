@@ -91,6 +91,8 @@ class TrainLoader(Stateful):
             batch = self._source(position)
         else:
             batch = self._prefetcher.take(position, self.timeout_s, self._waiting_for)
+        if isinstance(self._source, ReadShards):
+            self.sequences.shards.check_unchanged()  # the batch was read from the prepared shards
         self.sampler.consumed_sequences = position + self.sampler.positions_per_batch  # taken: now state
         return batch
 

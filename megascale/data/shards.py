@@ -35,6 +35,14 @@ def shard_names(index: int) -> tuple[str, str]:
 class Shard:
     tokens: np.ndarray  # read-only memmap (or an empty array), dtype from meta.json
     doc_ends: np.ndarray  # int64, document end offsets within this shard
+    path: Path | None = None  # the tokens file, mapped
+    identity: tuple[int, ...] = ()  # its inode, size and times when it was opened (`file_identity`)
+
+
+def file_identity(path: Path) -> tuple[int, ...]:
+    """What changes when a file is written or replaced: inode, size, modification and change times."""
+    stat = path.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 class TokenShards:
@@ -58,6 +66,7 @@ class TokenShards:
             or [np.zeros(0, dtype=np.int64)]
         )
         self.num_documents = len(self.doc_ends)
+        self.touched: set[int] = set()  # shards read since the last `check_unchanged`
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> TokenShards:
@@ -90,7 +99,7 @@ class TokenShards:
                 else np.zeros(0, dtype=dtype)
             )
             doc_ends = np.fromfile(docs_path, dtype=DOCS_DTYPE).astype(np.int64)
-            shard = Shard(tokens, doc_ends)
+            shard = Shard(tokens, doc_ends, tokens_path, file_identity(tokens_path))
             if verify:
                 _check_shard(shard, tokens_path, docs_path, int(meta["vocab_size"]), directory)
             shards.append(shard)
@@ -119,11 +128,32 @@ class TokenShards:
             shard_stop = int(self.shard_starts[shard_index + 1])
             take_stop = min(stop, shard_stop)
             pieces.append(self.shards[shard_index].tokens[start - shard_start : take_stop - shard_start])
+            self.touched.add(shard_index)
             start = take_stop
             shard_index += 1
         if len(pieces) == 1:
             return np.array(pieces[0], dtype=np.int64)
         return np.concatenate(pieces or [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on with tokens read from a shard written or replaced since it was opened: the shards
+        are mapped, not copied, so an overwrite mid-run changes the batches (checksums are only checked at
+        open). A stat per shard read since the last call."""
+        touched, self.touched = self.touched, set()
+        for index in sorted(touched):
+            shard = self.shards[index]
+            if shard.path is None:
+                continue
+            try:
+                unchanged = file_identity(shard.path) == shard.identity
+            except OSError:
+                unchanged = False
+            if not unchanged:
+                raise DataError(
+                    f"data: shard {shard.path} was changed or removed while this run read it, so its "
+                    f"batches since are not the prepared dataset's; delete {self.directory} and run "
+                    "`megascale prepare` again, then resume from a checkpoint taken before the change"
+                )
 
 
 def read_meta(directory: Path) -> dict:

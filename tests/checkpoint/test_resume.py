@@ -1,12 +1,13 @@
 """Resuming with a changed config: each change said and applied, or refused when it would be ignored."""
 
+import shutil
 import threading
 
 import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.cli import main
-from megascale.errors import ConfigError
+from megascale.errors import CheckpointError, ConfigError
 from megascale.optim import lr_factor
 from megascale.trainer import Trainer
 from tests.conftest import tiny_args
@@ -69,3 +70,18 @@ def test_a_run_already_past_its_steps_says_there_is_nothing_to_train(tiny_corpus
         "nothing to train: the run in" in log and "is already at step 4, and training ends at step 2" in log
     )
     assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")][-1] == 4
+
+
+def test_a_run_whose_checkpoints_were_all_deleted_refuses_to_start_over_unless_told(tiny_config, tmp_path):
+    """The checkpoint directory of a run that had progressed is deleted: the next start names the step that
+    was lost and the flag that starts afresh, instead of silently training from step 0. A restart before
+    the first commit, and a start afresh that crashes before its own, are not refused."""
+    Trainer(tiny_config("--training.steps=4", "--checkpoint.every=2")).close()  # crashed before a commit
+    Trainer(tiny_config("--training.steps=4", "--checkpoint.every=2")).train()
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    gone = r"every checkpoint of this run is gone: step 4 .*--checkpoint\.resume=false"
+    with pytest.raises(CheckpointError, match=gone):
+        Trainer(tiny_config("--training.steps=6"))
+    Trainer(tiny_config("--checkpoint.resume=false")).close()
+    Trainer(tiny_config("--training.steps=2")).train()  # started afresh, nothing committed since: no refusal
+    assert list_checkpoints(str(tmp_path / "run" / "checkpoints"))[-1][0] == 2

@@ -118,3 +118,21 @@ def test_train_loader_resumes_from_its_state(cfg_for, text_dir):
     assert resumed.epoch >= 2
     for loader in (train, interrupted, resumed):
         loader.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_shard_overwritten_under_a_live_run_stops_it_before_the_next_step(cfg_for, text_dir, prefetch):
+    """The shards are mapped, not copied: bytes written into one mid-run would change the batches from
+    then on with no warning. The next batch read from it is refused instead, naming the shard."""
+    train, _ = build_dataloaders(
+        cfg_for(text_dir[0], prefetch=prefetch), model_vocab_size=264, micro_batch_size=2, seed=0,
+        progress=False,
+    )  # fmt: skip
+    next(train)
+    (shard,) = sorted(train.dataset_dir.glob("shard-*.tokens"))
+    with open(shard, "r+b") as file:
+        file.write(b"\x01\x00" * 64)
+    with pytest.raises(DataError, match=rf"shard {shard} was changed or removed while this run read it"):
+        for _ in range(train.num_sequences):  # a whole epoch reads every shard
+            next(train)
+    train.close()

@@ -239,6 +239,8 @@ def test_a_killed_driver_started_again_takes_the_job_over_without_losing_a_step(
     assert adopted["attempt"] == 0 and "fault" not in kinds(events) and kinds(events).count("start") == 1
     print(f"job adopted {adopted['time'] - killed_at:.1f} s after the driver was killed")
     assert losses(run_dir) == reference
+    ledger = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in ledger if record["event"] == "commit"] == [4, 8, 12]
     assert not (run_dir / "driver.json").exists()
     assert not _processes_of(run_dir), "processes of the job outlived it"
     assert not list(base.glob("megascale-*")), "the job's staging outlived it"
