@@ -1,4 +1,5 @@
-"""`megascale` command line: train, launch, executor, trace, report, evict, prepare, convert, plan, calibrate.
+"""`megascale` command line: train, launch, executor, rehearse, trace, report, evict, prepare, convert, plan,
+calibrate.
 
 Every verb takes `--config FILE` and `--section.key=value` overrides (see docs/config.md). A mistake the
 user can fix prints one line and exits with status 2 (`--debug` shows the traceback); nothing is written
@@ -17,6 +18,7 @@ from typing import Any
 from megascale.errors import ConfigError, MegascaleError
 from megascale.plan import command as plan_command
 from megascale.resilience import executor as executor_module
+from megascale.resilience import rehearsal as rehearsal_module
 
 OVERRIDES_HELP = (
     "Any config field as --section.key=value (e.g. --model.dim=512 --optim.name=lamb); "
@@ -206,6 +208,10 @@ def _no_overrides(verb: str, extra: list[str]) -> None:
     """Verbs that take no config fields refuse them by name."""
     if extra:
         raise ConfigError(f"{verb} takes no config overrides, got {' '.join(extra)}")
+
+
+def cmd_rehearse(args: argparse.Namespace, extra: list[str]) -> int:
+    return rehearsal_module.run_rehearsal(args, extra)
 
 
 def _config_argv(args: argparse.Namespace) -> list[str]:
@@ -404,6 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.add_arguments(plan)
     plan.epilog = OVERRIDES_HELP
     plan.set_defaults(run=cmd_plan)
+
+    rehearse = verbs.add_parser(
+        "rehearse",
+        help="Do every fault the control plane must survive to a small launched job, from outside (signals, "
+        "files, a full disk, a store restart), and write the table of what happened (docs/resilience.md).",
+    )
+    rehearsal_module.add_arguments(rehearse)
+    rehearse.epilog = OVERRIDES_HELP
+    rehearse.set_defaults(run=cmd_rehearse)
 
     calibrate = verbs.add_parser(
         "calibrate",

@@ -234,7 +234,12 @@ class CheckpointConfig:
         "Two-stage saves: copy the state to host memory and go on training while a background thread "
         "writes and commits it (paper §4.4). Off: write and commit before the next step.",
     )
-    resume: bool = option(True, "Resume from the newest checkpoint in the run directory.")
+    resume: bool = option(
+        True,
+        "Resume from the newest checkpoint in the run directory. A run whose checkpoints were all lost "
+        "(its ledger, <run_dir>/checkpoints.jsonl, shows commits) refuses to start from scratch; false "
+        "starts it from scratch anyway.",
+    )
     init_from: str | None = option(
         None,
         "Model weights to start from when there is nothing to resume: a "

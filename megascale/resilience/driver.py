@@ -130,6 +130,7 @@ class Driver:
         self.said_step = (-1, 0)  # (attempt, step) of the last progress line
         self.attempt_started = self.last_progress_at = 0.0  # time.time() of each
         self.hang_blames: dict[str, int] = {}  # node: hangs its ranks were blamed for
+        self.persist_failures: dict[str, int] = {}  # node: stage 2 failures of its executor already said
 
     # -- executors ------------------------------------------------------------------------------------
     def _command(self, node: str, action: str, **fields: Any) -> None:
@@ -353,6 +354,7 @@ class Driver:
                 return Fault("executor_lost", node, f"its executor exited with status {code}", last_step)
             beats = {node: self._beat(node) for node in nodes}
             current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == attempt}
+            self._say_persist_failures(beats)
             for node in nodes:
                 beat = beats[node]
                 age = self._beat_age(beat, now) if beat else now - max(started, self.store.back_at)
@@ -831,6 +833,15 @@ class Driver:
             "reasons": {str(rank): why for rank, why in analysis["reasons"].items()},
             "nodes": sorted({node_of[rank] for rank in analysis["suspects"] if rank in node_of}),
         }
+
+    def _say_persist_failures(self, beats: dict[str, dict[str, Any] | None]) -> None:
+        """A checkpoint that stage 2 could not write (a full disk, a lost bucket) is abandoned and training
+        goes on; the operator hears of it here, once per failure, not only in the executor's log."""
+        for node, beat in beats.items():
+            failures = beat.get("persist_failures", 0) if beat else 0
+            if failures > self.persist_failures.get(node, 0):
+                self.persist_failures[node] = failures
+                self.events.write("persist_failed", node=node, error=beat["persist_error"])
 
     def _say_progress(self, attempt: int, reports: dict[str, dict[str, Any]]) -> None:
         """A console and driver.log line for the newest step every rank reported, each training.log_every

@@ -269,6 +269,8 @@ class Executor:
             "progress": {str(rank): report for rank, report in progress.items()},
             "input_errors": read_input_errors(self.log_path.parent) if self.log_path else [],
             "errors": (self.errors + self.persister.errors)[-MAX_ERROR_LINES:],
+            "persist_failures": len(self.persister.errors),  # stage 2 failures of this executor, ever
+            "persist_error": self.persister.errors[-1] if self.persister.errors else None,
             "snapshots_pending": self.persister.busy(),
             "snapshot_waiting": self.persister.waiting,
         }

@@ -1,0 +1,600 @@
+"""`megascale rehearse`: every fault the job must survive, done to a real launched job from outside, and a
+table of what happened.
+
+The tests inject faults through hooks inside the job (resilience/inject.py); an operator's faults come
+from outside: a signal to a rank, an executor or the driver, a store restarted, a checkpoint deleted, a
+token shard overwritten, a disk filled. The rehearsal runs a small `megascale launch` job (2 nodes x 2
+processes, a tiny model) once undisturbed, the reference, and once per fault, doing the fault as it
+happens in production, and reads what happened from the job's own records (events.jsonl, metrics.jsonl,
+the ranks' progress files): when the fault was detected, what the diagnosis said, whether the job
+recovered by itself (or ended, resumable, and what the operator then runs), the steps trained twice,
+whether the final losses equal the reference's bit for bit, the job's processes and host-memory staging
+left behind, and the time from the fault to the next step trained. Only NaN and the failing self-check,
+which nothing outside a process can cause, use the in-job hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.checkpoint.manifest import list_checkpoints
+from megascale.checkpoint.staging import bytes_held, staging_base
+from megascale.observe.metrics import read_metrics
+from megascale.resilience.records import read_events
+
+STEPS, EVERY = 20, 4
+# The rehearsal's job: small enough for a laptop, long enough that every fault lands mid-run.
+JOB = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.attention.n_heads=4",
+    "--model.attention.n_kv_heads=2",
+    "--model.max_seq_len=32",
+    "--data.seq_len=32",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=1",
+    f"--training.steps={STEPS}",
+    "--training.val_every=1000",
+    "--training.log_every=1",
+    f"--checkpoint.every={EVERY}",
+    "--metrics.progress=false",
+    "--metrics.tensorboard=false",
+    "--metrics.hang_dump_s=2",
+    "--resilience.nodes=2",
+    "--resilience.nproc_per_node=2",
+    "--resilience.heartbeat_interval_s=0.5",
+    "--resilience.heartbeat_timeout_s=20",
+    "--resilience.comm_flat_timeout_s=5",
+    "--resilience.diagnose_bandwidth=false",
+    "--parallel.timeout_s=300",
+]
+JOB_TIMEOUT_S = 400.0
+
+
+class Job:
+    """One row's `megascale launch`, and what a fault needs of it: its processes and its progress."""
+
+    def __init__(self, work: Path, name: str, args: list[str]):
+        self.run_dir = work / name
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # an earlier rehearsal's
+        (work / f"{name}.console.log").unlink(missing_ok=True)
+        self.args = [*args, f"--training.run_dir={self.run_dir}"]
+        locations = [arg.split("=", 1)[1] for arg in args if arg.startswith("--checkpoint.location=")]
+        self.checkpoint_root = locations[-1] if locations else str(self.run_dir / "checkpoints")
+        self.work = work
+        self.proc: subprocess.Popen | None = None
+        self.launched_at = 0.0
+        self.exit_codes: list[int] = []
+
+    def launch(self, *extra: str) -> None:
+        command = [sys.executable, "-m", "megascale.cli", "launch", *self.args, *extra]
+        log = open(self.run_dir.parent / f"{self.run_dir.name}.console.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.work)
+        log.close()
+        self.launched_at = time.time()
+
+    def wait(self, timeout_s: float = JOB_TIMEOUT_S) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.exit_codes.append(code)
+        return code
+
+    def report(self, step: int, rank: str = "*", timeout_s: float = 180.0) -> dict[str, Any]:
+        """Until a rank (`rank`, else any) of the newest attempt reports `step` or later; that report."""
+        deadline = time.time() + timeout_s
+        while True:
+            attempts = sorted(self.run_dir.glob("nodes/*/attempt-*"), key=lambda p: int(p.name.split("-")[1]))
+            newest = attempts[-1].name if attempts else "attempt-0"
+            for path in self.run_dir.glob(f"nodes/*/{newest}/rank-{rank}.json"):
+                try:
+                    report = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue  # replaced while read
+                if report["step"] >= step:
+                    return report
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.run_dir.name}: no rank reached step {step}")
+            time.sleep(0.05)
+
+    def executor_pid(self, node: str) -> int:
+        (pid,) = [pid for pid, line in processes_naming(self.run_dir) if f"--node\0{node}\0" in line]
+        return pid
+
+    def newest_checkpoint(self, after: int, timeout_s: float = 60.0) -> str:
+        """The newest committed checkpoint once one of a step after `after` is committed."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            found = list_checkpoints(self.checkpoint_root)
+            if found and found[-1][0] > after:
+                return found[-1][1]
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.run_dir.name}: no checkpoint after step {after} was committed")
+
+
+def processes_naming(path: Path) -> list[tuple[int, str]]:
+    """Live processes whose command line names `path`: (pid, the command line, NUL-separated)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in line:
+            found.append((int(cmdline.parent.name), line))
+    return found
+
+
+# -- the faults ---------------------------------------------------------------------------------------
+def kill_rank(job: Job) -> float:
+    os.kill(job.report(3, rank="1")["pid"], signal.SIGKILL)
+    return time.time()
+
+
+def stop_rank(job: Job) -> float:
+    os.kill(job.report(3, rank="2")["pid"], signal.SIGSTOP)
+    return time.time()
+
+
+def kill_executor(job: Job) -> float:
+    job.report(3)
+    os.kill(job.executor_pid("node-1"), signal.SIGKILL)
+    return time.time()
+
+
+def kill_driver(job: Job) -> float:
+    """SIGKILL the driver, and start it again at once on the same run directory (a supervisor's job)."""
+    job.report(3)
+    job.proc.kill()
+    job.exit_codes.append(job.proc.wait())
+    killed = time.time()
+    job.launch()
+    return killed
+
+
+def two_nodes_at_once(job: Job) -> float:
+    first, second = job.report(3, rank="1")["pid"], job.report(3, rank="3")["pid"]
+    os.kill(first, signal.SIGKILL)
+    time.sleep(0.5)
+    os.kill(second, signal.SIGKILL)
+    return time.time() - 0.5
+
+
+def corrupt_newest_checkpoint(job: Job) -> float:
+    """Truncate a data file of the newest checkpoint (one past the first, so there is one to fall back
+    to), then SIGKILL a rank: the restart must skip the damaged one."""
+    newest = Path(job.newest_checkpoint(after=EVERY))
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    os.kill(job.report(0, rank="1")["pid"], signal.SIGKILL)
+    return time.time()
+
+
+def delete_checkpoints(job: Job) -> float:
+    job.newest_checkpoint(after=EVERY)
+    shutil.rmtree(job.checkpoint_root)
+    os.kill(job.report(0, rank="1")["pid"], signal.SIGKILL)
+    return time.time()
+
+
+def start_over(job: Job) -> None:
+    """`megascale launch --checkpoint.resume=false`: the run is trained again from step 0."""
+    job.launch("--checkpoint.resume=false")
+
+
+@dataclass
+class ShardDamage:
+    path: Path | None = None
+    original: bytes = b""
+
+
+def overwrite_shard(job: Job, damage: ShardDamage) -> float:
+    """Overwrite 256 bytes in the middle of the dataset's largest token shard, in place."""
+    job.newest_checkpoint(after=0)
+    shards = [path for path in (job.work / "data").rglob("shard-*.tokens")]
+    damage.path = max(shards, key=lambda path: path.stat().st_size)
+    middle = damage.path.stat().st_size // 2
+    with open(damage.path, "r+b") as file:
+        file.seek(middle)
+        damage.original = file.read(256)
+        file.seek(middle)
+        file.write(bytes(range(256)))
+    return time.time()
+
+
+def restore_shard(job: Job, damage: ShardDamage) -> None:
+    """shard restored, `megascale launch`: the prepared bytes back (`megascale prepare` would do)."""
+    with open(damage.path, "r+b") as file:
+        file.seek(damage.path.stat().st_size // 2)
+        file.write(damage.original)
+    job.launch()
+
+
+def slow_rank(job: Job) -> float:
+    """From step 6, rank 1 runs a tenth of the time (SIGSTOP/SIGCONT), as a throttled or sick GPU does."""
+    pid = job.report(6, rank="1")["pid"]
+
+    def throttle() -> None:
+        try:
+            while True:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.45)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.05)
+        except ProcessLookupError:
+            return
+
+    threading.Thread(target=throttle, daemon=True, name="rehearsal-throttle").start()
+    return time.time()
+
+
+def nan_in_job(job: Job) -> float:
+    return job.report(5)["time"]  # the hook makes step 6's loss NaN
+
+
+def kill_rank_of_failing_node(job: Job) -> float:
+    return kill_rank(job)
+
+
+# -- the table ----------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    name: str
+    how: str  # what is done, for the table
+    act: Callable[..., float]
+    extra: tuple[str, ...] = ()
+    detected_by: tuple[str, ...] = ("fault",)
+    follow_up: Callable[..., None] | None = None  # what the operator runs once the job has ended
+    world_changes: bool = False  # a different world size trains other numerics: losses not compared
+    state: Any = None  # passed to act and follow_up when set
+
+
+def rows(work: Path) -> list[Row]:
+    damage = ShardDamage()
+    return [
+        Row("rank SIGKILL", "SIGKILL rank 1 at step 3", kill_rank),
+        Row("rank SIGSTOP", "SIGSTOP rank 2 at step 3", stop_rank),
+        Row("executor kill", "SIGKILL node-1's executor at step 3", kill_executor),
+        Row(
+            "driver kill",
+            "SIGKILL the driver at step 3; `megascale launch` again at once",
+            kill_driver,
+            detected_by=("adopted",),
+        ),
+        Row(
+            "store kill and restart",
+            "SIGKILL redis-server at step 3; restart it empty 3 s later",
+            restart_store,
+            detected_by=("store_back",),
+        ),
+        Row("two nodes at once", "SIGKILL rank 1 (node-0), rank 3 (node-1) 0.5 s apart", two_nodes_at_once),
+        Row(
+            "corrupted checkpoint",
+            "truncate a file of the newest checkpoint, then SIGKILL rank 1",
+            corrupt_newest_checkpoint,
+        ),
+        Row(
+            "deleted checkpoints",
+            "delete the checkpoint directory, then SIGKILL rank 1",
+            delete_checkpoints,
+            follow_up=start_over,
+        ),
+        Row(
+            "token shard overwritten",
+            "overwrite 256 bytes of a token shard mid-run",
+            overwrite_shard,
+            follow_up=restore_shard,
+            state=damage,
+        ),
+        Row(
+            "disk full during persist",
+            "fill the checkpoints' file system after step 4; free it at step 13",
+            fill_disk,
+            extra=(f"--checkpoint.location={work / 'small-disk' / 'checkpoints'}",),
+            detected_by=("persist_failed",),
+        ),
+        Row(
+            "NaN (in-job hook)",
+            "step 6's loss made NaN; nan_policy rollback",
+            nan_in_job,
+            extra=("--resilience.inject=nan:step=6", "--resilience.nan_policy=rollback"),
+            detected_by=("nonfinite", "fault"),  # a rollback is a rank's exit with status 3
+        ),
+        Row(
+            "slow rank",
+            "rank 1 throttled to a tenth of its time from step 6",
+            slow_rank,
+            extra=("--resilience.anomaly_window=4", "--resilience.anomaly_action=restart"),
+            detected_by=("slow_steps",),
+        ),
+        Row(
+            "node failing diagnostics",
+            "SIGKILL rank 1 at step 3; node-0 fails its self-check (in-job hook); one spare node",
+            kill_rank_of_failing_node,
+            extra=("--resilience.spares=1", "--resilience.inject=diagnose_fail:node=0"),
+        ),
+    ]
+
+
+@dataclass
+class Store:
+    """The Redis server of the store row, started and restarted by the rehearsal."""
+
+    port: int = 0
+    server: subprocess.Popen | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+def restart_store(job: Job, store: Store) -> float:
+    from megascale.resilience.redis_store import start_redis_server
+
+    job.report(3)
+    store.server.kill()
+    store.server.wait()
+    killed = time.time()
+    time.sleep(3)
+    store.server = start_redis_server(store.port)
+    return killed
+
+
+def fill_disk(job: Job) -> float:
+    """Fill the checkpoints' file system once step 4's checkpoint is in, free it at step 13: the saves
+    in between fail and training goes on; the next one after commits."""
+    disk = job.work / "small-disk"
+    job.newest_checkpoint(after=0)
+    filler = disk / "filler"
+    with open(filler, "wb") as file:
+        try:
+            while True:
+                file.write(b"\0" * (1 << 20))
+                file.flush()
+        except OSError:
+            pass
+    filled = time.time()
+    job.report(13)
+    filler.unlink()
+    return filled
+
+
+def mount_small_disk(disk: Path) -> str | None:
+    """A 64 MB tmpfs for the disk-full row; the reason when none can be mounted here."""
+    disk.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return "needs root to mount a small file system"
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+    return None if made.returncode == 0 else made.stderr.decode().strip()
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """The last logged loss of every step (a restarted attempt logs its recomputed steps again)."""
+    return {record["step"]: record["loss"] for record in read_metrics(run_dir) if "loss" in record}
+
+
+def staged_bytes(before: set[Path]) -> int:
+    """Bytes held by megascale staging directories made since `before` was listed."""
+    return sum(bytes_held(path) for path in set(staging_base().glob("megascale-*")) - before)
+
+
+def steps_redone(job: Job, events: list[dict[str, Any]]) -> int:
+    """Steps trained again: from each fault's last step back to where the next attempt resumed (the
+    metrics log keeps only the final curve, so the events say it)."""
+    redone, last_step = 0, None
+    for event in events:
+        if event["event"] == "fault":  # a failed restart's fault has an earlier (or no) last step
+            last_step = max(last_step if last_step is not None else -1, event["last_step"])
+        elif event["event"] == "recovered" and last_step is not None:
+            redone, last_step = redone + max(0, last_step - event["resumed_from"]), None
+    if last_step is not None:  # the job ended and the operator launched it again: its first attempt
+        starts = [event for event in events if event["event"] == "start"]
+        reports = job.run_dir.glob(f"nodes/*/attempt-{starts[-1]['attempt']}/rank-*.json") if starts else []
+        resumed = [json.loads(path.read_text()).get("resumed_from", 0) for path in reports]
+        redone += max(0, last_step - min(resumed, default=0))
+    return redone
+
+
+def cause(reason: str) -> str:
+    """The gist of a give-up's reason: 'checkpoint: every checkpoint of this run is gone'."""
+    message = re.sub(r"^an error in the job's input: rank \d+: ", "", reason)
+    return ": ".join(message.split(": ")[:2]).split(",")[0].split(";")[0]
+
+
+def measure(row: Row, job: Job, fault_at: float, reference: dict[int, float], shm: set[Path]) -> dict:
+    """One row of the table, from the job's records once it (and the operator's follow-up) ended."""
+    events = read_events(job.run_dir)
+    after = [event for event in events if event["time"] >= fault_at - 1.0]
+    detected = next((event for event in after if event["event"] in row.detected_by), None)
+    gave_up = next((event for event in after if event["event"] == "give_up"), None)
+    diagnosis = []
+    for event in after:
+        if event["event"] == "blame":
+            diagnosis.append(f"blamed rank {event['suspect_ranks']} on {event['nodes']}")
+        elif event["event"] == "diagnosis" and not event["passed"]:
+            diagnosis.append(f"{event['node']} failed: {event['reason']}")
+        elif event["event"] == "evict":
+            diagnosis.append(f"{event['node']} evicted")
+    passed = sum(1 for event in after if event["event"] == "diagnosis" and event["passed"])
+    if passed:
+        diagnosis.append(f"{passed} node(s) passed")
+    records = read_metrics(job.run_dir)
+    recovered_event = next((event for event in reversed(events) if event["event"] == "recovered"), None)
+    later = [record["time"] for record in records if record["time"] > fault_at]
+    if recovered_event is not None and recovered_event["time"] > fault_at:
+        first_step = recovered_event["time"]
+    else:
+        first_step = min(later, default=None)
+    time.sleep(1.0)  # processes the job just told to exit
+    done = bool(events) and events[-1]["event"] == "done" and job.exit_codes[-1] == 0
+    return {
+        "fault": row.name,
+        "how": row.how,
+        "detected_after_s": round(detected["time"] - fault_at, 1) if detected else None,
+        "detected_as": (detected.get("kind") or detected["event"]) if detected else None,
+        "diagnosis": "; ".join(diagnosis) or "none needed",
+        "recovered": done and gave_up is None,
+        "ended": gave_up["reason"] if gave_up else None,
+        "exit_codes": job.exit_codes,
+        "operator": row.follow_up.__doc__.split(":", 1)[0].strip() if row.follow_up else None,
+        "cause": cause(gave_up["reason"]) if gave_up else None,
+        "done": done,
+        "steps_redone": steps_redone(job, after),
+        "losses_equal": None if row.world_changes else losses(job.run_dir) == reference,
+        "processes_left": len(processes_naming(job.run_dir)),
+        "shm_bytes_left": staged_bytes(shm),
+        "fault_to_next_step_s": round(first_step - fault_at, 1) if first_step else None,
+    }
+
+
+def run_row(row: Row, work: Path, job_args: list[str], reference: dict[int, float], store: Store) -> dict:
+    shm = set(staging_base().glob("megascale-*"))
+    extra = list(row.extra)
+    state = row.state
+    if row.act is restart_store:
+        extra += store.extra
+        state = store
+    job = Job(work, row.name.replace(" ", "-").replace("(", "").replace(")", ""), [*job_args, *extra])
+    job.launch()
+    try:
+        fault_at = row.act(job, state) if state is not None else row.act(job)
+        code = job.wait()
+        if code != 0 and row.follow_up is not None:
+            if state is not None:
+                row.follow_up(job, state)
+            else:
+                row.follow_up(job)
+            job.wait()
+        return measure(row, job, fault_at, reference, shm)
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+            job.proc.wait()
+        for pid, _ in processes_naming(job.run_dir):  # a failed row's leftovers: ours, by name
+            with_suppress_kill(pid)
+
+
+def with_suppress_kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def table(results: list[dict]) -> str:
+    def yes(value: Any) -> str:
+        return "—" if value is None else ("yes" if value else "**no**")
+
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value} s"
+
+    lines = [
+        "| fault | done from outside | detected after | as | diagnosis | recovered | steps redone | "
+        "losses = reference | processes left | /dev/shm bytes left | fault → next step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        if "error" in result:
+            lines.append(f"| {result['fault']} | {result['how']} | rehearsal failed: {result['error']} |")
+            continue
+        if result["recovered"]:
+            recovered = "yes, by itself"
+        elif result["done"]:
+            recovered = (
+                f"ended (exit {result['exit_codes'][0]}: {result['cause']}), then {result['operator']}: done"
+            )
+        else:
+            recovered = f"**no** (exit {result['exit_codes'][-1]})"
+        lines.append(
+            f"| {result['fault']} | {result['how']} | {seconds(result['detected_after_s'])} | "
+            f"{result['detected_as'] or '—'} | {result['diagnosis']} | {recovered} | "
+            f"{result['steps_redone']} | {yes(result['losses_equal'])} | {result['processes_left']} | "
+            f"{result['shm_bytes_left']} | {seconds(result['fault_to_next_step_s'])} |"
+        )
+    return "\n".join(lines)
+
+
+def rehearse(work: Path, only: list[str] | None, job_args: list[str]) -> list[dict]:
+    from megascale.resilience.executor import free_port
+    from megascale.resilience.redis_store import start_redis_server
+
+    work.mkdir(parents=True, exist_ok=True)
+    job_args = [*JOB, f"--data.cache_dir={work / 'data'}", *job_args]
+    reference_job = Job(work, "reference", job_args)
+    reference_job.launch()
+    if reference_job.wait() != 0:
+        raise RuntimeError(f"the reference run failed; see {work / 'reference.console.log'}")
+    reference = losses(reference_job.run_dir)
+    store = Store()
+    results = []
+    disk_problem = None
+    for row in rows(work):
+        if only and not any(name in row.name for name in only):
+            continue
+        print(f"rehearsal: {row.name} ...", flush=True)
+        try:
+            if row.act is restart_store:
+                if shutil.which("redis-server") is None:
+                    raise RuntimeError("redis-server is not installed")
+                store.port = free_port("127.0.0.1")
+                store.server = start_redis_server(store.port)
+                store.extra = [f"--resilience.store=redis://127.0.0.1:{store.port}/0"]
+            if row.act is fill_disk and (disk_problem := mount_small_disk(work / "small-disk")):
+                raise RuntimeError(disk_problem)
+            results.append(run_row(row, work, job_args, reference, store))
+        except Exception as err:  # noqa: BLE001 (the row says so; the others still run)
+            results.append({"fault": row.name, "how": row.how, "error": f"{type(err).__name__}: {err}"})
+        finally:
+            if row.act is restart_store and store.server is not None:
+                store.server.kill()
+                store.server.wait()
+            if row.act is fill_disk and disk_problem is None:
+                subprocess.run(["umount", str(work / "small-disk")], capture_output=True)
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("runs/rehearsal"),
+        help="Directory for the rehearsal's runs, dataset and table (default runs/rehearsal).",
+    )
+    parser.add_argument(
+        "--faults",
+        help="Comma-separated parts of the fault names to run (e.g. 'rank SIGKILL,driver'); default all.",
+    )
+
+
+def run_rehearsal(args: argparse.Namespace, job_args: list[str]) -> int:
+    work = args.work.expanduser().resolve()
+    only = [name.strip() for name in args.faults.split(",")] if args.faults else None
+    results = rehearse(work, only, job_args)
+    (work / "rehearsal.json").write_text(json.dumps(results, indent=2))
+    text = table(results)
+    (work / "rehearsal.md").write_text(text + "\n")
+    print(text)
+    bad = [
+        result
+        for result in results
+        if "error" in result
+        or not result["done"]
+        or result["losses_equal"] is False
+        or result["processes_left"]
+        or result["shm_bytes_left"]
+    ]
+    return 1 if bad else 0
