@@ -6,7 +6,8 @@ host and register themselves ("external"; deploy/ has Slurm and Kubernetes examp
 start an attempt on the healthy nodes, watch their heartbeats, and on a fault stop every node, run the
 self-check diagnostics, evict the nodes that fail (the blocklist lives in the run directory, so an
 evicted node is never reused, even by a new driver), and start the next attempt, which resumes from the
-newest verified checkpoint. Every decision goes to `<run_dir>/events.jsonl` with its time.
+newest verified checkpoint. Every decision goes to `<run_dir>/events.jsonl` with its time. Watching an
+attempt for faults is watch.py's; taking over the job of a killed driver, takeover.py's.
 
 torchrun (inside each executor) already restarts workers; what it lacks, and this adds, is detection
 beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a restart, and a record.
@@ -16,16 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,69 +30,24 @@ from megascale.checkpoint.persist import abandon
 from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
-from megascale.observe.hang import HANG, analyze, read_dumps
-from megascale.observe.trace import sessions
-from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
 from megascale.resilience.diagnostics import slower_than_peers
-from megascale.resilience.executor import local_address
-from megascale.resilience.inject import INJECT, active_faults
+from megascale.resilience.executor import executor_command, local_address
+from megascale.resilience.inject import INJECT, active_faults, corrupt_checkpoint
 from megascale.resilience.links import blame, link_rounds
 from megascale.resilience.records import EventLog, evict, read_blocklist
 from megascale.resilience.store import ControlStore, OutageTolerantStore, StoreLost, open_store
 from megascale.resilience.takeover import (
     AdoptedProcess,
-    last_attempt,
+    adopt,
     read_record,
-    registrations,
     remove_record,
+    resume_point,
     write_record,
 )
+from megascale.resilience.watch import AttemptWatch, Fault
 
 log = logging.getLogger("megascale.driver")
 HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evicted
-BLAME_WAIT_S = 10.0  # the longest a hang's restart waits for the ranks' stall states
-
-
-@dataclass
-class Fault:
-    # process_exit | input_error | executor_lost | heartbeat_lost | hang | comm_flat | loss_spike |
-    # slow_steps | straggler
-    kind: str
-    node: str | None
-    detail: str
-    last_progress_step: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _behind(reports: dict[str, dict[str, Any]]) -> list[int]:
-    """The ranks at the lowest step, when not all of them are: the suspects of a hang."""
-    if not reports:
-        return []
-    low = min(report["step"] for report in reports.values())
-    suspects = sorted(int(rank) for rank, report in reports.items() if report["step"] == low)
-    return suspects if len(suspects) < len(reports) else []
-
-
-# What a run sends its own processes: torchrun's stop, the NCCL watchdog's abort, a user's Ctrl-C. Any
-# other signal (SIGKILL from the OOM killer or an operator, SIGSEGV, SIGBUS) is where a fault began.
-SECONDARY_SIGNALS = {"SIGTERM", "SIGABRT", "SIGINT"}
-
-
-def killed_by_signal(beat: dict[str, Any]) -> bool:
-    """Whether torchrun's failure summary on this node names a rank that a primary signal ended."""
-    return any(name not in SECONDARY_SIGNALS for name in beat.get("signalled", {}).values())
-
-
-def first_failed(failed: dict[str, dict[str, Any]]) -> str:
-    """The node a fault most likely began on, of those whose torchrun failed: one with a rank killed by
-    a signal (its peers elsewhere only lost a connection), else the first whose executor saw it exit."""
-    return min(
-        failed,
-        key=lambda node: (
-            not killed_by_signal(failed[node]),
-            failed[node].get("exited_at") or failed[node]["time"],
-        ),
-    )
 
 
 def _address_key(info: dict[str, Any]) -> str:
@@ -126,9 +78,8 @@ class Driver:
         if self.previous is not None:
             self.job = self.previous["job"]
         self.stop_requested = False
-        self.stragglers: set[tuple[int, int]] = set()  # (attempt, rank) already reported
-        self.said_step = (-1, 0)  # (attempt, step) of the last progress line
-        self.attempt_started = self.last_progress_at = 0.0  # time.time() of each
+        self.attempt_started = 0.0  # time.time() of the watched attempt's start
+        self.watching: AttemptWatch | None = None
         self.hang_blames: dict[str, int] = {}  # node: hangs its ranks were blamed for
         self.persist_failures: dict[str, int] = {}  # node: stage 2 failures of its executor already said
 
@@ -148,28 +99,11 @@ class Driver:
 
     def _start_executor(self, index: int) -> None:
         node = f"node-{index}"
-        self.executors[node] = subprocess.Popen(  # type: ignore[assignment]
-            [
-                sys.executable,
-                "-m",
-                "megascale.resilience.executor",
-                "--store",
-                self.store.url,
-                "--job",
-                self.job,
-                "--node",
-                node,
-                "--run-dir",
-                str(self.run_dir),
-                "--interval",
-                str(self.res.heartbeat_interval_s),
-                "--address",
-                local_address(index),
-                "--store-grace",
-                str(self.res.store_grace_s),
-            ],
-            start_new_session=True,
+        command = executor_command(
+            self.store.url, self.job, node, self.run_dir, self.res.heartbeat_interval_s, local_address(index)
         )
+        command += ["--store-grace", str(self.res.store_grace_s)]
+        self.executors[node] = subprocess.Popen(command, start_new_session=True)  # type: ignore[assignment]
         self._write_record()
 
     def _write_record(self) -> None:
@@ -261,54 +195,6 @@ class Driver:
             time.sleep(min(0.2, self.res.heartbeat_interval_s))
         return nodes
 
-    # -- taking over from a killed driver -------------------------------------------------------------
-    def _adopt(self) -> None:
-        """Take the job of a killed driver over (resilience/takeover.py): put its executors' registrations
-        back in a store that died with it, adopt the executors it started that still live, and start again
-        those that died."""
-        self.events.write("takeover", job=self.job, previous_pid=self.previous["identity"]["pid"])
-        known = registrations(self.run_dir)
-        self.registered.update((info["node"], info) for info in known)  # joined before: no new event
-        if self.store.add("registered", 0) == 0:
-            self.store.add("registered", len(known))
-            for ticket, info in enumerate(known):
-                self.store.put(f"node/{ticket}", info)
-        blocked = read_blocklist(self.run_dir)
-        for node, identity in self.previous["executors"].items():
-            if is_alive(identity):
-                self.executors[node] = AdoptedProcess(identity)
-            elif node not in blocked:
-                self._start_executor(int(node.rsplit("-", 1)[1]))
-        self._write_record()
-
-    def _resume_point(self) -> tuple[int, list[str], bool]:
-        """(attempt, its nodes, whether it runs already): a new job's first attempt; for a job taken over,
-        the attempt its executors still run (watched on, no step lost), else the next one."""
-        last = last_attempt(self.run_dir) if self.previous else None
-        if last is None:
-            return 0, self.wait_for_nodes()[: self.res.nodes], False
-        attempt, nodes = last["attempt"], last["nodes"]
-        deadline = time.time() + self.res.heartbeat_timeout_s  # executors reconnect within their interval
-        while True:
-            self.discover()
-            beats = [self._beat(node) for node in nodes]
-            if all(beat and beat.get("attempt") == attempt and beat["state"] != "idle" for beat in beats):
-                self.attempt_started = last["time"]
-                self.events.write("adopted", attempt=attempt, nodes=nodes)
-                return attempt, nodes, True
-            if time.time() > deadline:
-                break
-            time.sleep(min(0.2, self.res.heartbeat_interval_s))
-        # Not every node runs it (the killed driver was stopping it, or starting the next): the next one,
-        # numbered after any a node may have been told to start.
-        live = [node for node in nodes if not self.executor_gone(node)]
-        self.stop_nodes(live)
-        self.wait_for_snapshots(live)
-        self.events.write("stopped", attempt=attempt, nodes=nodes)
-        attempt = max([attempt, *(beat.get("attempt") or 0 for beat in beats if beat)]) + 1
-        self.events.write("restart", attempt=attempt, checkpoint_step=self._verified_checkpoint_step())
-        return attempt, self.wait_for_nodes()[: self.res.nodes], False
-
     # -- one attempt ----------------------------------------------------------------------------------
     def start_attempt(self, nodes: list[str], attempt: int) -> None:
         nproc = self.res.nproc_per_node
@@ -334,150 +220,9 @@ class Driver:
         self.events.write("start", attempt=attempt, nodes=nodes, processes=len(nodes) * nproc)
 
     def watch(self, nodes: list[str], attempt: int, recovered: bool = True) -> Fault | None:
-        """Until the attempt ends: None when every node finished cleanly, else the first fault seen.
-        `recovered=False`: a restart whose first step is still to come (the `recovered` event)."""
-        res = self.res
-        started = time.time()
-        last_step, last_change = -1, started
-        reported_nonfinite: set[int] = set()
-        loss_spike = LossSpike(res.loss_spike_z, res.anomaly_window)
-        slow_steps = StepTimeCollapse(res.step_time_factor, res.anomaly_window)
-        traffic = FlatCounter()
-        first_failure_seen = None
-        while True:
-            time.sleep(res.heartbeat_interval_s)
-            now = time.time()
-            if self.stop_requested:
-                return None
-            for node in filter(self.executor_exited, nodes):
-                code = self.executors[node].returncode
-                return Fault("executor_lost", node, f"its executor exited with status {code}", last_step)
-            beats = {node: self._beat(node) for node in nodes}
-            current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == attempt}
-            self._say_persist_failures(beats)
-            for node in nodes:
-                beat = beats[node]
-                age = self._beat_age(beat, now) if beat else now - max(started, self.store.back_at)
-                if age > res.heartbeat_timeout_s:
-                    return Fault("heartbeat_lost", node, f"no heartbeat for {age:.1f} s", last_step)
-            failed = {
-                node: beat
-                for node, beat in current.items()
-                if beat["state"] == "exited" and beat["exit_code"] != 0
-            }
-            input_errors = [error for beat in failed.values() for error in beat.get("input_errors", [])]
-            if input_errors:  # a restart would meet it again: no gathering, no diagnosis, no retry
-                node = next(node for node, beat in failed.items() if beat.get("input_errors"))
-                detail = f"rank {input_errors[0]['rank']}: {input_errors[0]['message']}"
-                return Fault("input_error", node, detail, last_step)
-            if failed:
-                # One dead rank brings down its peers on every node within a second or so, and a peer's node
-                # may report first; a second fault may strike another node meanwhile. So the failures are
-                # gathered for two heartbeats (three while no node shows a rank a signal struck) before the
-                # fault is named: the node a signal struck, else the first to exit.
-                first_failure_seen = first_failure_seen or now
-                node = first_failed(failed)
-                gathering = (2 if killed_by_signal(failed[node]) else 3) * res.heartbeat_interval_s
-                if now - first_failure_seen >= gathering:
-                    beat = failed[node]
-                    return Fault(
-                        "process_exit",
-                        node,
-                        f"torchrun exited with status {beat['exit_code']}",
-                        last_step,
-                        {
-                            "errors": beat.get("errors", [])[-5:],
-                            "signalled_ranks": {
-                                rank: name
-                                for each in failed.values()
-                                for rank, name in each.get("signalled", {}).items()
-                            },
-                            "also_failed": sorted(set(failed) - {node}),
-                            # nodes a signal struck too: faults of their own, not their peers' losses
-                            "also_struck": sorted(
-                                other for other in failed if other != node and killed_by_signal(failed[other])
-                            ),
-                        },
-                    )
-                continue
-            if len(current) == len(nodes) and all(beat["state"] == "exited" for beat in current.values()):
-                return None
-            reports = {rank: report for beat in current.values() for rank, report in beat["progress"].items()}
-            steps = [report["step"] for report in reports.values()]
-            for bad_step, ranks in nonfinite_steps(reports, len(nodes) * res.nproc_per_node).items():
-                if bad_step not in reported_nonfinite:
-                    reported_nonfinite.add(bad_step)
-                    self.events.write(
-                        "nonfinite", attempt=attempt, step=bad_step, ranks=ranks, policy=res.nan_policy
-                    )
-            silent_s = traffic.observe(now, sum(beat.get("io_bytes", 0) for beat in current.values()))
-            if steps:
-                self._say_progress(attempt, reports)
-            if steps and max(steps) != last_step:
-                last_step, last_change = max(steps), now
-                if not recovered:  # the first step of a restarted attempt (reports are per attempt)
-                    recovered = True
-                    resumed_from = min(report.get("resumed_from", 0) for report in reports.values())
-                    self.events.write(
-                        "recovered", attempt=attempt, first_step=last_step, resumed_from=resumed_from
-                    )
-                fault = self._anomalies(attempt, last_step, current, loss_spike, slow_steps)
-                if fault is not None:
-                    return fault
-            last_change = max(last_change, self.store.back_at)  # nothing could be read during an outage
-            self.last_progress_at = last_change
-            if last_step >= 0 and 0 < res.comm_flat_timeout_s < min(now - last_change, silent_s):
-                return Fault(
-                    "comm_flat",
-                    None,
-                    f"no step completed and no byte moved for {silent_s:.1f} s",
-                    last_step,
-                    {"suspect_ranks": _behind(reports)},
-                )
-            elif now - last_change > (res.hang_timeout_s if last_step >= 0 else res.startup_timeout_s):
-                return Fault(
-                    "hang",
-                    None,
-                    f"no step completed for {now - last_change:.1f} s",
-                    last_step,
-                    {"suspect_ranks": _behind(reports)},
-                )
-
-    def _anomalies(
-        self,
-        attempt: int,
-        step: int,
-        beats: dict[str, dict[str, Any]],
-        loss_spike: LossSpike,
-        slow_steps: StepTimeCollapse,
-    ) -> Fault | None:
-        """Feed the newest step's loss (mean over ranks) and time (slowest rank) to the detectors; log
-        what they find, and make it a fault when `resilience.anomaly_action = "restart"`. Stragglers named
-        by the training processes (observe/stragglers.py) are logged with their node, and are a fault
-        (their node to be evicted) with `resilience.evict_stragglers` when a spare node is free."""
-        reports = {rank: report for beat in beats.values() for rank, report in beat["progress"].items()}
-        at_step = [report for report in reports.values() if report["step"] == step]
-        losses = [report["loss"] for report in at_step if isinstance(report.get("loss"), float)]
-        times = [report["step_time_s"] for report in at_step if "step_time_s" in report]
-        for rank in sorted({rank for report in at_step for rank in report.get("stragglers", [])}):
-            if (attempt, rank) not in self.stragglers:
-                self.stragglers.add((attempt, rank))
-                node = next((name for name, beat in beats.items() if str(rank) in beat["progress"]), None)
-                self.events.write("straggler", attempt=attempt, step=step, rank=rank, node=node)
-                if self.res.evict_stragglers and node is not None and len(self.healthy_nodes()) > len(beats):
-                    return Fault("straggler", node, f"rank {rank} is a straggler", step, {"rank": rank})
-        findings = []
-        if losses and all(map(math.isfinite, losses)):
-            findings.append(("loss_spike", loss_spike.observe(step, sum(losses) / len(losses))))
-        if times:
-            findings.append(("slow_steps", slow_steps.observe(step, max(times))))
-        for kind, finding in findings:
-            if finding is None:
-                continue
-            self.events.write(kind, attempt=attempt, action=self.res.anomaly_action, **finding)
-            if self.res.anomaly_action == "restart":
-                return Fault(kind, None, f"{kind.replace('_', ' ')} at step {step}", step, finding)
-        return None
+        """Until the attempt ends: None when every node finished cleanly, else the first fault seen."""
+        self.watching = AttemptWatch(self, nodes, attempt, recovered)
+        return self.watching.run()
 
     def wait_for_snapshots(self, nodes: list[str], timeout_s: float = 600.0) -> None:
         """Until every node's executor has persisted the snapshots its training processes left.
@@ -637,7 +382,7 @@ class Driver:
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         self._write_record()
         if self.previous is not None:
-            self._adopt()
+            adopt(self)
         elif self.res.executors == "local":
             self.start_executors()
         store_lost = None
@@ -685,7 +430,10 @@ class Driver:
             time.sleep(0.1)
 
     def _loop(self) -> int:
-        attempt, nodes, running = self._resume_point()
+        if self.previous is not None:
+            attempt, nodes, running = resume_point(self)
+        else:
+            attempt, nodes, running = 0, self.wait_for_nodes()[: self.res.nodes], False
         while True:
             if not running:
                 if not self._layout_fits(len(nodes)):
@@ -714,7 +462,7 @@ class Driver:
                 last_step=fault.last_progress_step,
                 **fault.extra,
             )
-            named = self.blame_hang(nodes) if fault.kind in ("hang", "comm_flat") else None
+            named = self.watching.blame() if fault.kind in ("hang", "comm_flat") else None
             if named is not None:
                 self.events.write("blame", attempt=attempt, **named)
             if fault.kind == "input_error":
@@ -722,33 +470,7 @@ class Driver:
                 self.wait_for_snapshots(nodes)
                 self.events.write("give_up", reason=f"an error in the job's input: {fault.detail}")
                 return 2
-            gone = [node for node in nodes if self.executor_gone(node)]
-            for node in gone:  # nothing of theirs may keep running; ours are started again
-                self.fence(node)
-                if node in self.executors:
-                    self.replace_executor(node)
-            live = [node for node in nodes if not self.executor_gone(node)]
-            self.stop_nodes(live)
-            self.wait_for_snapshots(live)  # the snapshot taken before the fault, if any, is kept
-            self.events.write("stopped", attempt=attempt, nodes=nodes)
-            if fault.kind == "straggler":
-                evict(self.run_dir, fault.node)
-                self.events.write("evict", node=fault.node, reason="straggler")
-            for node in sorted(set(nodes) - set(live)):  # no executor to answer a self-check: failed at once
-                self.events.write("diagnosis", node=node, passed=False, reason="executor gone")
-                evict(self.run_dir, node)
-                self.events.write("evict", node=node)
-            if self.res.diagnose:
-                for node in self.diagnose(live, attempt):
-                    evict(self.run_dir, node)
-                    self.events.write("evict", node=node)
-            if named is not None and len(named["nodes"]) == 1:
-                # A node that passes its self-check but hangs again and again is as bad as a failing one.
-                (node,) = named["nodes"]
-                self.hang_blames[node] = self.hang_blames.get(node, 0) + 1
-                if self.hang_blames[node] >= HANGS_TO_EVICT and node not in read_blocklist(self.run_dir):
-                    evict(self.run_dir, node)
-                    self.events.write("evict", node=node, reason=f"blamed for {HANGS_TO_EVICT} hangs")
+            self._stop_and_evict(fault, nodes, attempt, named)
             if attempt >= self.res.max_restarts:
                 self.events.write(
                     "give_up", reason=f"resilience.max_restarts = {self.res.max_restarts} reached"
@@ -762,6 +484,40 @@ class Driver:
                 "restart", attempt=attempt, checkpoint_step=self._newest_checkpoint_step(attempt)
             )
 
+    def _stop_and_evict(
+        self, fault: Fault, nodes: list[str], attempt: int, named: dict[str, Any] | None
+    ) -> None:
+        """After a fault: fence dead executors' processes (restarting our executors), stop the other nodes
+        keeping their snapshots, and evict what is to blame: a straggler, a node whose executor is gone, a
+        node failing its self-check, a node blamed for HANGS_TO_EVICT hangs."""
+        gone = [node for node in nodes if self.executor_gone(node)]
+        for node in gone:  # nothing of theirs may keep running; ours are started again
+            self.fence(node)
+            if node in self.executors:
+                self.replace_executor(node)
+        live = [node for node in nodes if not self.executor_gone(node)]
+        self.stop_nodes(live)
+        self.wait_for_snapshots(live)  # the snapshot taken before the fault, if any, is kept
+        self.events.write("stopped", attempt=attempt, nodes=nodes)
+        if fault.kind == "straggler":
+            evict(self.run_dir, fault.node)
+            self.events.write("evict", node=fault.node, reason="straggler")
+        for node in sorted(set(nodes) - set(live)):  # no executor to answer a self-check: failed at once
+            self.events.write("diagnosis", node=node, passed=False, reason="executor gone")
+            evict(self.run_dir, node)
+            self.events.write("evict", node=node)
+        if self.res.diagnose:
+            for node in self.diagnose(live, attempt):
+                evict(self.run_dir, node)
+                self.events.write("evict", node=node)
+        if named is not None and len(named["nodes"]) == 1:
+            # A node that passes its self-check but hangs again and again is as bad as a failing one.
+            (node,) = named["nodes"]
+            self.hang_blames[node] = self.hang_blames.get(node, 0) + 1
+            if self.hang_blames[node] >= HANGS_TO_EVICT and node not in read_blocklist(self.run_dir):
+                evict(self.run_dir, node)
+                self.events.write("evict", node=node, reason=f"blamed for {HANGS_TO_EVICT} hangs")
+
     def _newest_checkpoint_step(self, attempt: int) -> int:
         from megascale.checkpoint.checkpointer import list_checkpoints
 
@@ -770,7 +526,7 @@ class Driver:
         if checkpoints and any(
             f.kind == "corrupt_checkpoint" for f in active_faults(self.inject, attempt - 1)
         ):
-            _corrupt(checkpoints[-1][1])
+            corrupt_checkpoint(checkpoints[-1][1])
             self.events.write("injected", kind="corrupt_checkpoint", checkpoint=checkpoints[-1][1])
         return self._verified_checkpoint_step()
 
@@ -794,70 +550,6 @@ class Driver:
             return False
         return True
 
-    def blame_hang(self, nodes: list[str]) -> dict[str, Any] | None:
-        """The ranks a hang waits for and their nodes, from the state every rank writes when it stalls (the
-        hang view, observe/hang.py): read once every rank wrote it, or metrics.hang_dump_s after the last
-        step (a stopped rank writes nothing, and that names it), waiting BLAME_WAIT_S at most."""
-        stall_s = self.cfg.metrics.hang_dump_s
-        if stall_s <= 0 or not self.cfg.metrics.timeline:
-            return None
-        world = len(nodes) * self.res.nproc_per_node
-        deadline = min(
-            self.last_progress_at + stall_s + 3 * self.res.heartbeat_interval_s + 1.0,
-            time.time() + BLAME_WAIT_S,
-        )
-        while True:
-            found = [
-                session / HANG for session in sessions(self.cfg.training.run_dir) if (session / HANG).is_dir()
-            ]
-            dumps = {
-                rank: dump
-                for rank, dump in (read_dumps(found[-1]) if found else {}).items()
-                if dump["time"]
-                >= self.attempt_started  # not a previous attempt's, resumed from the same step
-            }
-            if len(dumps) >= world or time.time() > deadline:
-                break
-            time.sleep(self.res.heartbeat_interval_s)
-        if not dumps:
-            return None
-        analysis = analyze(dumps)
-        node_of = {
-            int(rank): node
-            for node in nodes
-            if (beat := self._beat(node))
-            for rank in beat.get("progress", {})
-        }
-        return {
-            "suspect_ranks": analysis["suspects"],
-            "reasons": {str(rank): why for rank, why in analysis["reasons"].items()},
-            "nodes": sorted({node_of[rank] for rank in analysis["suspects"] if rank in node_of}),
-        }
-
-    def _say_persist_failures(self, beats: dict[str, dict[str, Any] | None]) -> None:
-        """A checkpoint that stage 2 could not write (a full disk, a lost bucket) is abandoned and training
-        goes on; the operator hears of it here, once per failure, not only in the executor's log."""
-        for node, beat in beats.items():
-            failures = beat.get("persist_failures", 0) if beat else 0
-            if failures > self.persist_failures.get(node, 0):
-                self.persist_failures[node] = failures
-                self.events.write("persist_failed", node=node, error=beat["persist_error"])
-
-    def _say_progress(self, attempt: int, reports: dict[str, dict[str, Any]]) -> None:
-        """A console and driver.log line for the newest step every rank reported, each training.log_every
-        steps and at the last: the job's pace, seen from the driver."""
-        every, steps = self.cfg.training.log_every, self.cfg.training.steps
-        step = min(report["step"] for report in reports.values())
-        said_attempt, said = self.said_step
-        if said_attempt == attempt and step // every <= said // every and not (step == steps != said):
-            return
-        self.said_step = (attempt, step)
-        at_step = [report for report in reports.values() if report["step"] == step]
-        losses = [report["loss"] for report in at_step if isinstance(report.get("loss"), float)]
-        seconds = max((report.get("step_time_s", 0.0) for report in at_step), default=0.0)
-        loss = f" | loss {sum(losses) / len(losses):.4f}" if losses else ""
-        log.info("attempt %d | step %d/%d%s | %.3f s/step", attempt, step, steps, loss, seconds)
-
     def _beat_age(self, beat: dict[str, Any], now: float | None = None) -> float:
         """How old a heartbeat is, counted from the end of the store's last outage at the earliest: no
         executor could beat while the store was away."""
@@ -880,10 +572,3 @@ class Driver:
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
-
-
-def _corrupt(location: str) -> None:
-    """Truncate one shard (fault injection: a damaged newest checkpoint)."""
-    shards = sorted(path for path in Path(location).iterdir() if path.suffix == ".distcp")
-    shard = random.Random(0).choice(shards)
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

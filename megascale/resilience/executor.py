@@ -326,6 +326,15 @@ class Executor:
             time.sleep(self.interval_s)
 
 
+def executor_command(
+    store: str, job: str, node: str, run_dir: Path, interval_s: float, address: str | None
+) -> list[str]:
+    """The command line that starts node `node`'s executor on this host."""
+    command = [sys.executable, "-m", "megascale.resilience.executor", "--store", store, "--job", job]
+    command += ["--node", node, "--run-dir", str(run_dir), "--interval", str(interval_s)]
+    return command + (["--address", address] if address else [])
+
+
 def free_port(address: str | None) -> int:
     """A TCP port free on `address` (all of this host's addresses when None) right now: where this node
     would serve the next attempt's rendezvous."""

@@ -16,10 +16,12 @@ A fault fires in the first attempt only (`attempt=K` picks another), so a restar
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megascale.errors import ConfigError
 
@@ -109,3 +111,10 @@ class FaultInjector:
                 until = clock() + max(0.0, (fault.get("factor", 1.0) - 1.0) * compute_s)
                 while clock() < until:
                     pass
+
+
+def corrupt_checkpoint(location: str) -> None:
+    """Truncate one shard of the checkpoint at `location` to half its size (`corrupt_checkpoint`)."""
+    shards = sorted(path for path in Path(location).iterdir() if path.suffix == ".distcp")
+    shard = random.Random(0).choice(shards)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

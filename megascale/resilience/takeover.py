@@ -19,11 +19,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.errors import ConfigError
-from megascale.resilience.records import read_events
+from megascale.resilience.records import read_blocklist, read_events
+
+if TYPE_CHECKING:
+    from megascale.resilience.driver import Driver
 
 DRIVER_RECORD = "driver.json"
 
@@ -96,3 +99,52 @@ class AdoptedProcess:
     def send_signal(self, sig: signal.Signals) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
+
+
+def adopt(driver: Driver) -> None:
+    """Take the job of a killed driver over: put its executors' registrations back in a store that died
+    with it, adopt the executors it started that still live, and start again those that died."""
+    previous = driver.previous
+    driver.events.write("takeover", job=driver.job, previous_pid=previous["identity"]["pid"])
+    known = registrations(driver.run_dir)
+    driver.registered.update((info["node"], info) for info in known)  # joined before: no new event
+    if driver.store.add("registered", 0) == 0:
+        driver.store.add("registered", len(known))
+        for ticket, info in enumerate(known):
+            driver.store.put(f"node/{ticket}", info)
+    blocked = read_blocklist(driver.run_dir)
+    for node, identity in previous["executors"].items():
+        if is_alive(identity):
+            driver.executors[node] = AdoptedProcess(identity)
+        elif node not in blocked:
+            driver._start_executor(int(node.rsplit("-", 1)[1]))
+    driver._write_record()
+
+
+def resume_point(driver: Driver) -> tuple[int, list[str], bool]:
+    """(attempt, its nodes, whether it runs already) for a job taken over: the attempt its executors still
+    run (watched on, no step lost), else the next one, from the newest checkpoint."""
+    last = last_attempt(driver.run_dir)
+    if last is None:  # the killed driver had started none
+        return 0, driver.wait_for_nodes()[: driver.res.nodes], False
+    attempt, nodes = last["attempt"], last["nodes"]
+    deadline = time.time() + driver.res.heartbeat_timeout_s  # executors reconnect within their interval
+    while True:
+        driver.discover()
+        beats = [driver._beat(node) for node in nodes]
+        if all(beat and beat.get("attempt") == attempt and beat["state"] != "idle" for beat in beats):
+            driver.attempt_started = last["time"]
+            driver.events.write("adopted", attempt=attempt, nodes=nodes)
+            return attempt, nodes, True
+        if time.time() > deadline:
+            break
+        time.sleep(min(0.2, driver.res.heartbeat_interval_s))
+    # Not every node runs it (the killed driver was stopping it, or starting the next): the next one,
+    # numbered after any a node may have been told to start.
+    live = [node for node in nodes if not driver.executor_gone(node)]
+    driver.stop_nodes(live)
+    driver.wait_for_snapshots(live)
+    driver.events.write("stopped", attempt=attempt, nodes=nodes)
+    attempt = max([attempt, *(beat.get("attempt") or 0 for beat in beats if beat)]) + 1
+    driver.events.write("restart", attempt=attempt, checkpoint_step=driver._verified_checkpoint_step())
+    return attempt, driver.wait_for_nodes()[: driver.res.nodes], False

@@ -81,6 +81,7 @@ def test_a_flat_counter_reports_how_long_it_has_not_moved():
 def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
     from megascale.config import load_config
     from megascale.resilience.driver import Driver
+    from megascale.resilience.watch import AttemptWatch
 
     progress = {str(rank): {"step": 9, "loss": 9.0, "step_time_s": 0.1} for rank in range(2)}
     beats = {"node-0": {"progress": progress}}
@@ -88,11 +89,11 @@ def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
         cfg = load_config(overrides=[f"--resilience.anomaly_action={action}"])
         run_dir = tmp_path / action
         run_dir.mkdir()
-        driver = Driver(cfg, [], run_dir)
-        spike = LossSpike(z=6.0, window=8)
+        watch = AttemptWatch(Driver(cfg, [], run_dir), ["node-0"], attempt=0)
+        watch.loss_spike, watch.slow_steps = LossSpike(z=6.0, window=8), StepTimeCollapse(3.0, 8)
         for step in range(8):
-            spike.observe(step, 3.0 + 0.01 * (step % 3))
-        fault = driver._anomalies(0, 9, beats, spike, StepTimeCollapse(3.0, 8))
+            watch.loss_spike.observe(step, 3.0 + 0.01 * (step % 3))
+        fault = watch._anomalies(9, beats)
         (event,) = read_events(run_dir)
         assert event["event"] == "loss_spike" and event["action"] == action and event["step"] == 9
         assert (fault is not None) == expect_fault
@@ -103,6 +104,7 @@ def test_an_anomaly_is_an_event_with_warn_and_a_fault_with_restart(tmp_path):
 def test_a_straggler_is_a_fault_on_its_node_only_when_asked_and_a_spare_is_free(tmp_path):
     from megascale.config import load_config
     from megascale.resilience.driver import Driver
+    from megascale.resilience.watch import AttemptWatch
 
     def progress(ranks, stragglers):
         return {
@@ -120,7 +122,9 @@ def test_a_straggler_is_a_fault_on_its_node_only_when_asked_and_a_spare_is_free(
         cfg = load_config(overrides=[f"--resilience.evict_stragglers={str(evict_stragglers).lower()}"])
         driver = Driver(cfg, [], run_dir)
         driver.healthy_nodes = lambda healthy=healthy: healthy
-        fault = driver._anomalies(0, 30, beats, LossSpike(z=6.0, window=8), StepTimeCollapse(3.0, 8))
+        watch = AttemptWatch(driver, ["node-0", "node-1"], attempt=0)
+        watch.loss_spike, watch.slow_steps = LossSpike(z=6.0, window=8), StepTimeCollapse(3.0, 8)
+        fault = watch._anomalies(30, beats)
         (event,) = read_events(run_dir)
         assert event["event"] == "straggler" and event["rank"] == 2 and event["node"] == "node-1"
         assert (fault is not None) == expect_fault
