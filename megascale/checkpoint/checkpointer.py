@@ -312,7 +312,7 @@ class Checkpointer:
                 save_id=save_id[0],
                 nodes=nodes,
                 node=node_name(),
-                ledger=str(self.ledger) if self.ledger else None,
+                ledger=str(self.ledger.resolve()) if self.ledger else None,  # for another cwd
             )
         self._barrier()  # every node has marked its share ready: the buffers are no longer the only copy
         self._snapshot().release()

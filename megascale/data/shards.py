@@ -8,6 +8,7 @@ docs[-1] equals the shard's token count) and `meta.json`, written last. See docs
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class TokenShards:
         )
         self.num_documents = len(self.doc_ends)
         self.touched: set[int] = set()  # shards read since the last `check_unchanged`
+        self._touched_lock = threading.Lock()  # reads happen in the prefetch thread
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> TokenShards:
@@ -128,7 +130,8 @@ class TokenShards:
             shard_stop = int(self.shard_starts[shard_index + 1])
             take_stop = min(stop, shard_stop)
             pieces.append(self.shards[shard_index].tokens[start - shard_start : take_stop - shard_start])
-            self.touched.add(shard_index)
+            with self._touched_lock:
+                self.touched.add(shard_index)
             start = take_stop
             shard_index += 1
         if len(pieces) == 1:
@@ -139,7 +142,8 @@ class TokenShards:
         """Refuse to go on with tokens read from a shard written or replaced since it was opened: the shards
         are mapped, not copied, so an overwrite mid-run changes the batches (checksums are only checked at
         open). A stat per shard read since the last call."""
-        touched, self.touched = self.touched, set()
+        with self._touched_lock:
+            touched, self.touched = self.touched, set()
         for index in sorted(touched):
             shard = self.shards[index]
             if shard.path is None:

@@ -76,7 +76,7 @@ class Job:
         self.checkpoint_root = locations[-1] if locations else str(self.run_dir / "checkpoints")
         self.work = work
         self.proc: subprocess.Popen | None = None
-        self.launched_at = 0.0
+        self.launches: list[float] = []  # when each `megascale launch` of the row started
         self.exit_codes: list[int] = []
 
     def launch(self, *extra: str) -> None:
@@ -84,7 +84,7 @@ class Job:
         log = open(self.run_dir.parent / f"{self.run_dir.name}.console.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.work)
         log.close()
-        self.launched_at = time.time()
+        self.launches.append(time.time())
 
     def wait(self, timeout_s: float = JOB_TIMEOUT_S) -> int:
         try:
@@ -432,7 +432,10 @@ def measure(row: Row, job: Job, fault_at: float, reference: dict[int, float], sh
         diagnosis.append(f"{passed} node(s) passed")
     records = read_metrics(job.run_dir)
     recovered_event = next((event for event in reversed(events) if event["event"] == "recovered"), None)
-    later = [record["time"] for record in records if record["time"] > fault_at]
+    # The next step trained after the fault: the restarted attempt's first, the first of the operator's
+    # launch after the job ended, or (where nothing stopped) the next one at all.
+    since = job.launches[-1] if row.follow_up and len(job.launches) > 1 else fault_at
+    later = [record["time"] for record in records if record["time"] > since]
     if recovered_event is not None and recovered_event["time"] > fault_at:
         first_step = recovered_event["time"]
     else:

@@ -298,14 +298,17 @@ def test_an_error_in_the_jobs_input_ends_the_job_at_once_with_its_cause(tiny_cor
 
 @pytest.mark.slow
 def test_a_redis_restart_is_ridden_out_and_an_outage_past_the_grace_ends_the_job_resumable(
-    reference, tiny_corpus, tmp_path
+    reference, tiny_corpus, tmp_path, monkeypatch
 ):
     """redis-server killed mid-run, from outside. Back empty 3 s later: the driver re-seeds it and the job
     ends with the reference's losses. Not back within resilience.store_grace_s: the job ends (give_up,
-    exit 1) naming the store and the checkpoint to resume from, leaves no process behind, and a new
-    launch on the same run directory finishes the reference's curve."""
+    exit 1) naming the store and the checkpoint to resume from, leaves no process and no staging behind
+    (the executors persist what their nodes left), and a new launch on the same run directory finishes
+    the reference's curve."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/run installs it)")
+    base = tmp_path / "shm"
+    monkeypatch.setenv(BASE, str(base))
     port = free_port("127.0.0.1")
     store = f"--resilience.store=redis://127.0.0.1:{port}/0"
 
@@ -342,6 +345,7 @@ def test_a_redis_restart_is_ridden_out_and_an_outage_past_the_grace_ends_the_job
         assert f"the control store redis://127.0.0.1:{port}/0 has been unreachable" in reason
         assert "resumable from the checkpoint of step" in reason
         assert not _processes_of(tmp_path / "lost"), "processes of the job outlived it"
+        assert not list(base.glob("megascale-*")), "the job's staging outlived it"
         redis = start_redis_server(port)
         job = launch("lost")
         _, err = job.communicate(timeout=300)
