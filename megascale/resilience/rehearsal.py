@@ -16,6 +16,7 @@ which nothing outside a process can cause, use the in-job hooks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -247,10 +248,6 @@ def nan_in_job(job: Job) -> float:
     return job.report(5)["time"]  # the hook makes step 6's loss NaN
 
 
-def kill_rank_of_failing_node(job: Job) -> float:
-    return kill_rank(job)
-
-
 # -- the table ----------------------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -325,7 +322,7 @@ def rows(work: Path) -> list[Row]:
         Row(
             "node failing diagnostics",
             "SIGKILL rank 1 at step 3; node-0 fails its self-check (in-job hook); one spare node",
-            kill_rank_of_failing_node,
+            kill_rank,
             extra=("--resilience.spares=1", "--resilience.inject=diagnose_fail:node=0"),
         ),
     ]
@@ -486,15 +483,8 @@ def run_row(row: Row, work: Path, job_args: list[str], reference: dict[int, floa
             job.proc.kill()
             job.proc.wait()
         for pid, _ in processes_naming(job.run_dir):  # a failed row's leftovers: ours, by name
-            with_suppress_kill(pid)
-
-
-def with_suppress_kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGCONT)
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def table(results: list[dict]) -> str:
