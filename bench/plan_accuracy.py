@@ -34,6 +34,7 @@ from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times, lea
 from megascale.observe.metrics import read_metrics  # noqa: E402
 from megascale.observe.peak import calibrate  # noqa: E402
 from megascale.plan import calibrate as plan_calibrate  # noqa: E402
+from megascale.plan import profiles as plan_profiles  # noqa: E402
 from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config  # noqa: E402
 from megascale.plan.step import estimate_step  # noqa: E402
 
@@ -118,7 +119,7 @@ def main() -> int:
                 kept, _ = least_disturbed(measure, lambda run: run[1], 1, MAX_ATTEMPTS, QUIET_STEAL)
                 runs[name] += kept
     mean = {field: statistics.fmean(each[field] for each in calibrations) for field in calibrations[0]}
-    profile = plan_calibrate.measured_profile(mean, 1, statistics.fmean(peaks), "this bench's calibrations")
+    profile = plan_profiles.measured_profile(mean, 1, statistics.fmean(peaks), "this bench's calibrations")
     figures = {"calibration_steal_fraction": max(each["steal_fraction"] for each in calibrations)}
     for name, (nproc, layout_args) in layouts.items():
         cfg = load_config(None, layout_args)

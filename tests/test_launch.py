@@ -11,7 +11,7 @@ import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints, read_manifest
 from megascale.observe.metrics import read_metrics
-from megascale.resilience.executor import children_alive
+from megascale.resilience.host import children_alive
 from tests.conftest import tiny_args
 
 

@@ -8,13 +8,12 @@ same for the step's update (gradient norm, clipping, optimizer step: with DTenso
 as several blocks' forward), what tensor parallelism's DTensor dispatch and FSDP's hooks add to each, what
 tensor parallelism adds per byte of activations (its block probe again at the size of the runs a CPU trains:
 its transfers and copies take the cores that compute, so they are measured rather than counted as bytes over
-a bandwidth), and gloo's latency and bandwidth between two local processes. It is cached next to the peak;
-the CPU profile exists only once it has been.
+a bandwidth), and gloo's latency and bandwidth between two local processes. The figures are written next to
+the peak (`profile_cache()`); plan/profiles.py, which the planner reads, makes the CPU profile of them.
 
 Times are medians of repeated calls, as a training loop sees them. Everything is measured in fresh
-processes, as the runs it predicts start fresh: the calibration test once ran it inside a pytest process that
-had run 450 tests, and there the memory probe's results reused memory already faulted in (it read 2.5x the
-machine's rate). On a machine shared with other work the figures still move with that work, and so do the
+processes, as the runs it predicts start fresh: in a process that has already allocated and freed much
+memory, the memory probe's results reuse memory already faulted in (reading up to 2.5x the machine's rate). On a machine shared with other work the figures still move with that work, and so do the
 predictions made from them: one calibration ran 7-30% slower than the runs after it. So the measurement is
 made in ROUNDS rounds, one after the other (each a process for the single-process probes and a pair for the
 two-process ones, about 30 s), and every figure is the median over the rounds: a slow spell over one round
@@ -44,23 +43,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from megascale.config import AttentionConfig, ModelConfig, OverlapConfig
-from megascale.errors import ConfigError, MeasurementError
+from megascale.errors import MeasurementError
 from megascale.models.llama import Transformer
 from megascale.observe.cpu_load import cpu_times, least_disturbed, steal_fraction
-from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
 from megascale.optim.clip import clip_by_global_norm
-from megascale.plan.hardware import HardwareProfile
+from megascale.plan.profiles import (
+    SIZED_SHAPE,
+    SMALL_GEMM,
+    TINY_SHAPE,
+    cache_key,
+    profile_cache,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
 PROBE_LAYERS = (1, 4)  # per-block host time is the slope between these depths (the runs train 2-4)
-# (hidden, sequence, batch) of the host-time probes: a tiny model, where the host is all there is, and one
-# of the size the runs a CPU trains (256 tokens of hidden 128: SMALL_GEMM's m and k), for what tensor
-# parallelism adds per byte of activations
-TINY_SHAPE = (16, 8, 1)
-SIZED_SHAPE = (SMALL_GEMM[1], 64, SMALL_GEMM[0] // 64)
 PROBE_FLOATS = 1 << 20  # gloo bandwidth probe: a 4 MB tensor
 MEMORY_FLOATS = 1 << 23  # memory probe: two 32 MB tensors added into a fresh third
 PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42  # Linux prctl(2) options
@@ -69,36 +67,6 @@ ROUNDS = 3  # rounds of measurement, each in fresh processes; every figure is th
 # MAX_ROUNDS rounds in all, and the ROUNDS least disturbed kept.
 QUIET_STEAL = 0.05
 MAX_ROUNDS = 5
-# What `megascale calibrate` stores; a cache without one of them was written by an older version.
-MEASURED = (
-    "small_gemm_flops_per_s",
-    "memory_bytes_per_s",
-    "block_host_s",
-    "model_host_s",
-    "sized_block_host_s",
-    "tp_sized_block_host_s",
-    "update_block_host_s",
-    "update_model_host_s",
-    "collective_latency_s",
-    "gather_bytes_per_s",
-    "scatter_bytes_per_s",
-    *[
-        f"{probe}_{name}_host_s"
-        for probe in ("tp", "fsdp")
-        for name in ("block", "model", "update_block", "update_model")
-    ],
-)
-# The profile's host-time fields by the probe's names: per block, rest of the model, and the same of the
-# update.
-PARTS = {"layer": "block", "model": "model", "update_layer": "update_block", "update_model": "update_model"}
-
-
-def profile_cache() -> Path:
-    return calibration_cache().with_name("plan-calibrate.json")
-
-
-def cache_key(threads: int) -> str:
-    return f"{cpu_model()}|threads={threads}|torch={torch.__version__}"
 
 
 def typical_seconds(fn: Callable[[], object], calls: int) -> float:
@@ -137,12 +105,6 @@ def _probe_model(layers: int, shape: tuple[int, int, int] = TINY_SHAPE) -> Model
         max_seq_len=seq,
         attention=AttentionConfig(n_heads=heads, n_kv_heads=heads),
     )
-
-
-def activation_bytes(shape: tuple[int, int, int]) -> int:
-    """Bytes of one block's input activations for a probe of `shape` (float32)."""
-    dim, seq, batch = shape
-    return 4 * dim * seq * batch
 
 
 def _fwd_bwd(model: torch.nn.Module, shape: tuple[int, int, int] = TINY_SHAPE) -> Callable[[], None]:
@@ -406,81 +368,3 @@ def calibrate_profile(threads: int) -> dict[str, float]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cache, indent=2))
     return measured
-
-
-def cpu_profile(threads: int = 1) -> HardwareProfile:
-    """This CPU as a profile, from the cached measurements; a clear error if `megascale calibrate` has not
-    measured them with this many threads."""
-    path = profile_cache()
-    measured = json.loads(path.read_text()).get(cache_key(threads)) if path.is_file() else None
-    peak_tflops = cached_calibration("float32", threads)
-    if measured is None or peak_tflops is None:
-        raise ConfigError(
-            f"plan: --hardware cpu needs this machine measured with {threads} thread(s); run "
-            f"`megascale calibrate --dtype float32 --threads {threads}` first"
-        )
-    missing = [name for name in MEASURED if name not in measured]
-    if missing:
-        raise ConfigError(
-            f"plan: the calibration in {path} predates {', '.join(missing)}; run "
-            f"`megascale calibrate --dtype float32 --threads {threads}` again"
-        )
-    return measured_profile(measured, threads, peak_tflops, f"measured by `megascale calibrate` ({path})")
-
-
-def measured_profile(
-    measured: dict[str, float], threads: int, peak_tflops: float, source: str
-) -> HardwareProfile:
-    """The CPU profile from `megascale calibrate`'s figures (`measured`) and matmul peak."""
-    peak = peak_tflops * 1e12
-    small_flops = 2 * SMALL_GEMM[0] * SMALL_GEMM[1] * SMALL_GEMM[2]
-    small_efficiency = min(measured["small_gemm_flops_per_s"] / peak, 0.999)
-    gather, scatter = measured["gather_bytes_per_s"], measured["scatter_bytes_per_s"]
-    latency = measured["collective_latency_s"]
-    cores = os.cpu_count() or 1
-    return HardwareProfile(
-        name=f"{cpu_model()} ({threads} thread(s) per process, measured)",
-        peak_tflops={"float32": peak_tflops},
-        hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),  # shared by all processes
-        hbm_bytes_per_s=measured["memory_bytes_per_s"],
-        intra_node_bytes_per_s=2 / (1 / gather + 1 / scatter),  # FSDP runs gathers and scatters alike
-        inter_node_bytes_per_s=2 / (1 / gather + 1 / scatter),
-        intra_node_latency_s=latency,
-        inter_node_latency_s=latency,
-        devices_per_node=1024,  # every process of a local run is on this host
-        nodes_per_pod=1,
-        gemm_efficiency=1.0,  # the peak is itself a (large) GEMM's measured rate
-        gemm_half_flops=small_flops * (1 / small_efficiency - 1),
-        attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
-        network_efficiency=1.0,  # the bandwidths above are already what a collective achieved
-        layer_overhead_s=measured["block_host_s"],  # the others: what TP and FSDP add to these
-        tp_layer_overhead_s_per_byte=tp_overhead_per_byte(measured),
-        tp_comm_measured=True,
-        model_overhead_s=measured["model_host_s"],
-        **{
-            f"{kind}{part}_overhead_s": max(
-                0.0, measured[f"{probe}_{name}_host_s"] - measured[f"{name}_host_s"]
-            )
-            for kind, probe in (("tp_", "tp"), ("dp_", "fsdp"))
-            for part, name in PARTS.items()
-        },
-        update_layer_overhead_s=measured["update_block_host_s"],
-        update_model_overhead_s=measured["update_model_host_s"],
-        host_cores=max(1, cores // threads),
-        step_seconds_per_param=0.0,  # measured as the update's host times
-        source=source,
-    )
-
-
-def tp_overhead_per_byte(measured: dict[str, float]) -> float:
-    """Seconds per byte of a micro-batch's activations that tensor parallelism (over two processes) adds
-    to a block's forward + backward beyond half the block's compute: the growth of the TP probe's
-    per-block time from the tiny shape to the sized one, less half the plain probe's growth.
-
-    The TP probe's time at the tiny shape holds its dispatch and its collectives' latency. What grows with
-    the activations is measured, not counted as their bytes over gloo's bandwidth plus half a block's
-    compute, which falls short by 5-10 ms a block at the runs' size: the transfers and the
-    sequence-parallel copies take the very cores that compute."""
-    grown = measured["tp_sized_block_host_s"] - measured["tp_block_host_s"]
-    compute = (measured["sized_block_host_s"] - measured["block_host_s"]) / 2
-    return max(0.0, grown - compute) / (activation_bytes(SIZED_SHAPE) - activation_bytes(TINY_SHAPE))

@@ -165,18 +165,3 @@ PROFILES: dict[str, HardwareProfile] = {
         **_GPU_CONSTANTS,
     ),
 }
-
-
-def profile_named(name: str, threads: int = 1) -> HardwareProfile:
-    """A profile by name ('a100', 'h100', 'h800', 'h200', or 'cpu' once `megascale calibrate` has measured
-    this machine with `threads` threads per process)."""
-    key = name.lower()
-    if key == "cpu":
-        from megascale.plan.calibrate import cpu_profile  # imported here: it pulls in the model and gloo
-
-        return cpu_profile(threads)
-    if key not in PROFILES:
-        raise ConfigError(
-            f"plan: --hardware {name!r} is unknown; choose one of {', '.join([*PROFILES, 'cpu'])}"
-        )
-    return PROFILES[key]

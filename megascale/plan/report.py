@@ -12,7 +12,7 @@ import dataclasses
 from megascale.config import JobConfig, load_config
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token, num_params
-from megascale.plan.hardware import HardwareProfile, profile_named
+from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import (
     MEGASCALE,
     MEGASCALE_TRAINER,
@@ -26,6 +26,7 @@ from megascale.plan.job import (
 )
 from megascale.plan.paper import STRAGGLER_HOST_FRACTION, STRAGGLER_SLOWDOWN
 from megascale.plan.placement import choose_rank_order
+from megascale.plan.profiles import profile_named
 from megascale.plan.search import MEMORY_HEADROOM, Plan, memory_limit_bytes, search
 from megascale.plan.step import estimate_step
 

@@ -31,7 +31,8 @@ from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
 from megascale.resilience.diagnostics import slower_than_peers
-from megascale.resilience.executor import executor_command, local_address
+from megascale.resilience.executor import executor_command
+from megascale.resilience.host import local_address
 from megascale.resilience.inject import INJECT, active_faults, corrupt_checkpoint
 from megascale.resilience.links import blame, link_rounds
 from megascale.resilience.records import EventLog, evict, read_blocklist

@@ -521,7 +521,7 @@ def table(results: list[dict]) -> str:
 
 
 def rehearse(work: Path, only: list[str] | None, job_args: list[str]) -> list[dict]:
-    from megascale.resilience.executor import free_port
+    from megascale.resilience.host import free_port
     from megascale.resilience.redis_store import start_redis_server
 
     work.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@ import pytest
 
 from megascale.errors import ConfigError
 from megascale.observe.peak import PEAK_TFLOPS, calibrate
-from megascale.plan import calibrate as plan_calibrate
+from megascale.plan import profiles as plan_profiles
 from megascale.plan.command import HARDWARE
-from megascale.plan.hardware import PROFILES, profile_named
+from megascale.plan.hardware import PROFILES
+from megascale.plan.profiles import profile_named
 
 
 def test_every_gpu_profile_cites_its_datasheet_and_uses_the_mfu_peaks():
@@ -55,9 +56,9 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
         "tp_update_model_host_s": 0.005,
         "fsdp_update_model_host_s": 0.001,  # less than without FSDP: counted as nothing added
     }
-    path = plan_calibrate.profile_cache()
+    path = plan_profiles.profile_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({plan_calibrate.cache_key(1): measured}))
+    path.write_text(json.dumps({plan_profiles.cache_key(1): measured}))
     profile = profile_named("cpu")
     assert profile.peak_flops("float32") == pytest.approx(0.1e12)
     assert profile.intra_node_bytes_per_s == pytest.approx(2 / (1 / 3e8 + 1 / 2e8))
@@ -76,6 +77,6 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
     with pytest.raises(ConfigError, match=r"--dtype 'bfloat16' has no peak"):
         profile.peak_flops("bfloat16")
     del measured["fsdp_update_block_host_s"]  # a cache written before the update was measured
-    path.write_text(json.dumps({plan_calibrate.cache_key(1): measured}))
+    path.write_text(json.dumps({plan_profiles.cache_key(1): measured}))
     with pytest.raises(ConfigError, match=r"predates fsdp_update_block_host_s; run `megascale calibrate"):
         profile_named("cpu")

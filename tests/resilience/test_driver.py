@@ -16,7 +16,7 @@ import pytest
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.checkpoint.staging import BASE
 from megascale.observe.metrics import read_metrics
-from megascale.resilience.executor import free_port
+from megascale.resilience.host import free_port
 from megascale.resilience.records import read_blocklist, read_events
 from megascale.resilience.redis_store import start_redis_server
 from tests.conftest import tiny_args
