@@ -11,15 +11,16 @@ its transfers and copies take the cores that compute, so they are measured rathe
 a bandwidth), and gloo's latency and bandwidth between two local processes. The figures are written next to
 the peak (`profile_cache()`); plan/profiles.py, which the planner reads, makes the CPU profile of them.
 
-Times are medians of repeated calls, as a training loop sees them. Everything is measured in fresh
-processes, as the runs it predicts start fresh: in a process that has already allocated and freed much
-memory, the memory probe's results reuse memory already faulted in (reading up to 2.5x the machine's rate). On a machine shared with other work the figures still move with that work, and so do the
-predictions made from them: one calibration ran 7-30% slower than the runs after it. So the measurement is
-made in ROUNDS rounds, one after the other (each a process for the single-process probes and a pair for the
-two-process ones, about 30 s), and every figure is the median over the rounds: a slow spell over one round
-does not move it. On a virtual machine the hypervisor also gives time to other guests (steal time,
-observe/cpu_load.py), so a round that lost more than 5% of the time to it is made again, up to MAX_ROUNDS
-rounds in all, and the least disturbed are kept and their median `steal_fraction` reported.
+Times are medians of repeated calls, as a training loop sees them. Everything is measured in fresh processes,
+as the runs it predicts start fresh: in a process that has already allocated and freed much memory, the memory
+probe's results reuse memory already faulted in (reading up to 2.5x the machine's rate). On a machine shared
+with other work the figures still move with that work, and so do the predictions made from them: one
+calibration ran 7-30% slower than the runs after it. So the measurement is made in ROUNDS rounds, one after
+the other (each a process for the single-process probes and a pair for the two-process ones, about 30 s), and
+every figure is the median over the rounds: a slow spell over one round does not move it. On a virtual machine
+the hypervisor also gives time to other guests (steal time, observe/cpu_load.py), so a round that lost more
+than 5% of the time to it is made again, up to MAX_ROUNDS rounds in all, and the least disturbed are kept and
+their median `steal_fraction` reported.
 """
 
 from __future__ import annotations
