@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record, run as a script
 from bench.record import save_record  # noqa: E402
+from megascale import calibrate as plan_calibrate  # noqa: E402
 from megascale.config import load_config  # noqa: E402
 from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times, least_disturbed  # noqa: E402
 from megascale.observe.metrics import read_metrics  # noqa: E402
 from megascale.observe.peak import calibrate  # noqa: E402
-from megascale.plan import calibrate as plan_calibrate  # noqa: E402
 from megascale.plan import profiles as plan_profiles  # noqa: E402
 from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config  # noqa: E402
 from megascale.plan.step import estimate_step  # noqa: E402

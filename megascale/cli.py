@@ -262,7 +262,7 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     peaks = {dtype: measure_matmul_tflops(dtype, threads) for dtype in args.dtype}
     for dtype, tflops in peaks.items():
         print(f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  (threads={threads})")
-    from megascale.plan.calibrate import calibrate_profile, profile_cache
+    from megascale.calibrate import calibrate_profile, profile_cache
 
     measured = calibrate_profile(threads)  # raises, caching nothing, when a probe fails or times out
     for dtype, tflops in peaks.items():  # the peaks only with the profile measured beside them

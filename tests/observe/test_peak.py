@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from megascale.cli import main
@@ -24,19 +25,25 @@ def test_unknown_device_is_refused_not_guessed(monkeypatch):
     assert peak_for(torch.device("meta"), "bfloat16", 2, None) is None
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """A calibration cache of each test's own: what another test calibrated must not show here."""
+    monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path / "cache"))
+
+
 def test_cpu_without_calibration_has_no_peak():
     assert peak_for(torch.device("cpu"), "float32", 2, None) is None  # the cache is empty in tests
 
 
 def test_calibrate_measures_caches_and_is_then_used(capsys, monkeypatch):
     monkeypatch.setattr(peak, "measure_matmul_tflops", lambda dtype, threads: 0.123)
-    monkeypatch.setattr("megascale.plan.calibrate.ROUNDS", 1)  # one round of measurement is enough here
-    monkeypatch.setattr("megascale.plan.calibrate.MAX_ROUNDS", 1)  # even on a busy host
+    monkeypatch.setattr("megascale.calibrate.ROUNDS", 1)  # one round of measurement is enough here
+    monkeypatch.setattr("megascale.calibrate.MAX_ROUNDS", 1)  # even on a busy host
 
     def not_here():
         raise AssertionError("calibrate measured in the calling process: its heap is not a fresh run's")
 
-    monkeypatch.setattr("megascale.plan.calibrate.measure_local", not_here)  # fresh processes measure
+    monkeypatch.setattr("megascale.calibrate.measure_local", not_here)  # fresh processes measure
     assert main(["calibrate", "--dtype", "float32", "--threads", "2"]) == 0
     assert "cpu_matmul_peak_float32_tflops 0.1230" in capsys.readouterr().out
     cached = json.loads(peak.calibration_cache().read_text())
@@ -53,7 +60,7 @@ def test_measured_matmul_peak_is_plausible():
 def test_calibrate_on_a_machine_too_busy_to_finish_says_so_and_caches_nothing(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MEGASCALE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(peak, "measure_matmul_tflops", lambda dtype, threads: 0.001)  # measured while busy
-    monkeypatch.setattr("megascale.plan.calibrate.PROBE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr("megascale.calibrate.PROBE_TIMEOUT_S", 0.01)
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 2
     said = capsys.readouterr().err.strip()
     assert said.startswith("error: calibrate: a measuring process ran past 0 s") and "\n" not in said

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from megascale.calibrate import run_ranks
 from megascale.cli import main
-from megascale.plan.calibrate import run_ranks
 
 # One rank of a two-rank tensor-parallel probe (calibrate's, with fewer calls): the parallelised models it
 # leaves behind hold collective work in reference cycles.
@@ -23,7 +23,7 @@ TP_PROBE_RANK = """
 import sys
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from megascale.plan.calibrate import host_seconds, in_two_rank_group, tensor_parallel
+from megascale.calibrate import host_seconds, in_two_rank_group, tensor_parallel
 
 def probe():
     return host_seconds(tensor_parallel(init_device_mesh("cpu", (2,))), calls=2)
@@ -46,7 +46,7 @@ def test_measuring_ranks_exit_cleanly(tmp_path, monkeypatch):
 # (madvise), as a kernel with transparent huge pages "always" gives them unasked; it counts its own faults.
 HUGE_PAGE_PROBE = """
 import json, resource, torch
-from megascale.plan.calibrate import MEMORY_FLOATS, fresh_memory_bytes_per_s
+from megascale.calibrate import MEMORY_FLOATS, fresh_memory_bytes_per_s
 torch.set_num_threads(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 _, reported = fresh_memory_bytes_per_s(calls=5)
@@ -76,6 +76,6 @@ def test_the_memory_probe_faults_its_results_in_small_pages_where_huge_pages_are
 def test_calibrate_warns_when_the_memory_probe_did_not_measure_fresh_pages(capsys, monkeypatch):
     monkeypatch.setattr("megascale.observe.peak.measure_matmul_tflops", lambda dtype, threads: 0.1)
     measured = {"steal_fraction": 0.0, "memory_fresh_page_fraction": 0.25}
-    monkeypatch.setattr("megascale.plan.calibrate.calibrate_profile", lambda threads: measured)
+    monkeypatch.setattr("megascale.calibrate.calibrate_profile", lambda threads: measured)
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0
     assert "warning: the memory probe faulted in 25% of its results' pages" in capsys.readouterr().out

@@ -316,7 +316,7 @@ def measure_round(threads: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as workdir:
         for ranks in (["local"], (0, 1)):
             run_ranks(
-                "import sys; from megascale.plan.calibrate import rank_main; rank_main(*sys.argv[1:])",
+                "import sys; from megascale.calibrate import rank_main; rank_main(*sys.argv[1:])",
                 [workdir, str(threads)],
                 PROBE_TIMEOUT_S,
                 ranks,
