@@ -286,15 +286,8 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megascale",
-        description="Pre-train decoder-only language models "
-        "with 3D parallelism and automatic recovery (after ByteDance's MegaScale).",
-    )
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks and debug logs.")
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
-
+def _add_job_verbs(verbs: Any) -> None:
+    """train, launch, executor: running a job."""
     train = verbs.add_parser(
         "train",
         help="Train a model (the built-in default with no flags); resumes "
@@ -327,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     executor_module.add_arguments(executor)
     executor.set_defaults(run=cmd_executor)
 
+
+def _add_run_verbs(verbs: Any) -> None:
+    """trace, report, evict, clean: working with a run and what it left."""
     trace = verbs.add_parser("trace", help="Work with the ranks' timelines (docs/observability.md).")
     trace_verbs = trace.add_subparsers(dest="trace_verb", metavar="WHAT", required=True)
     merge = trace_verbs.add_parser(
@@ -370,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--dry-run", action="store_true", help="List what would be removed; remove nothing.")
     clean.set_defaults(run=cmd_clean)
 
+
+def _add_data_verbs(verbs: Any) -> None:
+    """prepare, convert: data and weights in and out."""
     prepare = verbs.add_parser(
         "prepare", help="Tokenize text (data.source) into memory-mapped shards (docs/data.md)."
     )
@@ -402,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="Overwrite a non-empty OUTPUT.")
     convert.set_defaults(run=cmd_convert)
 
+
+def _add_measuring_verbs(verbs: Any) -> None:
+    """plan, rehearse, calibrate: predicting, rehearsing and measuring."""
     plan = verbs.add_parser(
         "plan",
         help="Predict step time, tokens/s, MFU and memory of a job's layouts on a GPU cluster or this CPU, "
@@ -434,6 +436,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--threads", type=int, help="Threads to measure with (default: torch's).")
     calibrate.set_defaults(run=cmd_calibrate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megascale",
+        description="Pre-train decoder-only language models "
+        "with 3D parallelism and automatic recovery (after ByteDance's MegaScale).",
+    )
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks and debug logs.")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+
+    _add_job_verbs(verbs)
+    _add_run_verbs(verbs)
+    _add_data_verbs(verbs)
+    _add_measuring_verbs(verbs)
     return parser
 
 

@@ -246,6 +246,27 @@ class Covering:
     strength: int
 
 
+def _search(
+    target: tuple,
+    rng: random.Random,
+    variant: Callable[[Row], Row],
+    score: Callable[[Row], float | None],
+    attempts: int,
+    candidates: int,
+) -> Row | None:
+    """The best-scoring row of random fillings of `target` (each also with `variant`'s values), tried until
+    `candidates` were tried with one accepted (`score` not None), or `attempts` in all."""
+    best, best_score, tries = None, -1.0, 0
+    while tries < attempts and (best is None or tries < candidates):
+        tries += 1
+        filled = _fill(target, rng)
+        for row in (filled, canonical({**filled, **variant(filled), **dict(target)})):
+            value = score(row)
+            if value is not None and value > best_score:
+                best, best_score = row, value
+    return best
+
+
 def covering_rows(
     refusal: Callable[[Row], str | None],
     *,
@@ -300,20 +321,16 @@ def covering_rows(
     pinned = list(accepted)
     while uncovered:
         target = min(uncovered, key=lambda item: (-least_cost[item], _order(item)))
-        best, best_score, tries = None, -1.0, 0
         # A costly row is searched harder (up to 10 times), so that few rows pay that much.
         effort = min(10, round(least_cost[target] / cheapest))
         effort = 10 if any(knob(key).costly for key, _ in target) else effort
-        while tries < attempts * effort and (best is None or tries < candidates * effort):
-            tries += 1
-            filled = _fill(target, rng)
-            for row in (filled, canonical({**filled, **variant(filled), **dict(target)})):
-                if not _holds(row, target) or world_size(row) > max_world or refused_why(row) is not None:
-                    continue
-                new = len(tuples_of(row, strength) & uncovered) + bonus(row, accepted)
-                score = new / cost(row)
-                if score > best_score:
-                    best, best_score = row, score
+
+        def score(row: Row, target: tuple = target) -> float | None:
+            if not _holds(row, target) or world_size(row) > max_world or refused_why(row) is not None:
+                return None
+            return (len(tuples_of(row, strength) & uncovered) + bonus(row, accepted)) / cost(row)
+
+        best = _search(target, rng, variant, score, attempts * effort, candidates * effort)
         if best is not None:
             take(best)
             continue

@@ -106,17 +106,30 @@ class Trainer(Stateful):
             raise
 
     def _build(self, cfg: JobConfig, console: Any, debug: bool) -> None:
+        """The run's parts, in the order they need each other."""
+        self._open_run(cfg, console, debug)
+        self._build_runtime()
+        self._build_data()
+        self._build_model()
+        self._resume()
+        self._build_instruments()
+
+    def _open_run(self, cfg: JobConfig, console: Any, debug: bool) -> None:
+        """The layout and any checkpoint to resume are checked before a process group exists or a file is
+        written; then the run directory and its log."""
         self.cfg = cfg
         training = cfg.training
         self.console = console or make_console()
         # The layout is checked against the launcher's world size before any process group exists.
-        self.parallel_dims = dims = ParallelDims.from_config(cfg, world_size=env_world_size())
+        self.parallel_dims = ParallelDims.from_config(cfg, world_size=env_world_size())
         self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.run_dir = prepare_run_dir(training.run_dir)
-        checkpoint_root = cfg.checkpoint.location or str(self.run_dir / "checkpoints")
+        self.checkpoint_root = checkpoint_root = cfg.checkpoint.location or str(self.run_dir / "checkpoints")
         # A checkpoint of another model is refused before anything is written or any process started.
         committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
-        init_from = str(Path(cfg.checkpoint.init_from).expanduser()) if cfg.checkpoint.init_from else None
+        self.init_from = init_from = (
+            str(Path(cfg.checkpoint.init_from).expanduser()) if cfg.checkpoint.init_from else None
+        )
         if committed:
             check_resumable(committed[-1][1], read_manifest(committed[-1][1]), cfg)
         elif init_from is not None:
@@ -124,13 +137,16 @@ class Trainer(Stateful):
         setup_logging(self.run_dir, self.console, debug, rank=self.rank)
         self._logging = True
 
+    def _build_runtime(self) -> None:
+        """Threads, device, process groups and mesh, the checkpointer, and the step's batch arithmetic."""
+        cfg, training, dims = self.cfg, self.cfg.training, self.parallel_dims
         if training.threads is not None:
             torch.set_num_threads(training.threads)
         self.device = pick_device(training.device)
         init_distributed(self.device, cfg.parallel.timeout_s, store=cfg.parallel.store)
         self.mesh = dims.build_mesh(self.device.type, cfg.parallel.timeout_s) if dims.world_size > 1 else None
         self.checkpointer = Checkpointer(
-            checkpoint_root,
+            self.checkpoint_root,
             keep=cfg.checkpoint.keep,
             async_save=cfg.checkpoint.async_save,
             process_group=dims.checkpoint_group() if self.mesh is not None else None,
@@ -141,6 +157,8 @@ class Trainer(Stateful):
         self.tokens_per_step = training.global_batch_size * cfg.data.seq_len
         self.dp_rank = dims.dp_rank(self.mesh) if self.mesh is not None else 0
 
+    def _build_data(self) -> None:
+        cfg, training, dims = self.cfg, self.cfg.training, self.parallel_dims
         self.train_loader, self.val_loader = build_dataloaders(
             cfg.data,
             model_vocab_size=cfg.model.vocab_size,
@@ -159,6 +177,9 @@ class Trainer(Stateful):
             self.train_loader.tokenizer.vocab_size,
         )
 
+    def _build_model(self) -> None:
+        """The model, parallelised by `parallelize`, its optimizers and schedules."""
+        cfg, training, dims = self.cfg, self.cfg.training, self.parallel_dims
         self.injector = FaultInjector(cfg.resilience.inject, self.rank)
         self.reporter = ProgressReporter(self.rank)
         self._loss_scale = 1.0
@@ -188,6 +209,11 @@ class Trainer(Stateful):
             f"; {dims.describe()}" if dims.world_size > 1 else "",
         )
 
+    def _resume(self) -> None:
+        """Resume from the newest verified checkpoint (a snapshot a crashed predecessor left in memory is
+        persisted first), else start from checkpoint.init_from's weights or from scratch."""
+        cfg, dims = self.cfg, self.parallel_dims
+        checkpoint_root, init_from = self.checkpoint_root, self.init_from
         self.step = 0
         self._stop_signal: int | None = None  # asked of this process
         self._stop_agreed = False  # decided by all ranks together
@@ -231,6 +257,9 @@ class Trainer(Stateful):
         self.resumed_from = self.step  # reported to the driver, which logs where a restart took up
         if cfg.checkpoint.enabled:
             self.checkpointer.prepare(self.checkpoint_state())
+
+    def _build_instruments(self) -> None:
+        cfg, dims = self.cfg, self.parallel_dims
         self.instruments = Instruments(
             cfg,
             self.run_dir,

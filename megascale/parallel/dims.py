@@ -92,6 +92,12 @@ class ParallelDims:
                 f"{self.dp_replicate} x {self.dp_shard} x {self.tp} = {self.world_size} must equal the world "
                 f"size {world_size}"
             )
+        self._validate_tensor_parallel(cfg)
+        self._validate_pipeline(cfg)
+        self._validate_batch(cfg)
+
+    def _validate_tensor_parallel(self, cfg: JobConfig) -> None:
+        """What tensor parallelism shards must divide by parallel.tp."""
         model, training, par = cfg.model, cfg.training, cfg.parallel
         heads, kv_heads = model.attention.n_heads, model.attention.n_kv_heads
         for key, value in (
@@ -123,6 +129,10 @@ class ParallelDims:
                 "its backward (DTensor is handed a plain gradient; torch 2.13, found on CPU, untested on "
                 "GPU); set --training.compile=false",
             )
+
+    def _validate_pipeline(self, cfg: JobConfig) -> None:
+        """The stages must have layers to hold, and the schedule must support them."""
+        model, par = cfg.model, cfg.parallel
         stages = self.pp * par.pp_virtual_stages
         if stages > model.n_layers:
             fail(
@@ -144,6 +154,10 @@ class ParallelDims:
                 par.pp_virtual_stages,
                 f"needs parallel.pp_schedule = 'interleaved_1f1b', not {par.pp_schedule!r}",
             )
+
+    def _validate_batch(self, cfg: JobConfig) -> None:
+        """The global batch must split into data-parallel ranks, micro-batches and pipeline slots."""
+        training, par = cfg.training, cfg.parallel
         per_rank_batch = training.global_batch_size // self.dp
         if training.global_batch_size % self.dp:
             fail(
