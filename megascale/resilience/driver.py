@@ -65,7 +65,7 @@ class Driver:
         self.run_dir = run_dir
         self.job = cfg.resilience.job_id or uuid.uuid4().hex[:8]
         self.events = EventLog(run_dir)
-        self.store: ControlStore | None = None
+        self.store: OutageTolerantStore  # opened by run() (tests put a fake in)
         # The executors this driver started (local), or adopted from a killed driver that started them.
         self.executors: dict[str, subprocess.Popen | AdoptedProcess] = {}
         self.registered: dict[str, dict[str, Any]] = {}  # every executor that joined, by node name
@@ -203,6 +203,7 @@ class Driver:
         threads = max(1, (os.cpu_count() or 1) // (nproc * len(nodes))) if self.executors else None
         # The first node serves the rendezvous, on a port its last heartbeat found free.
         first = self._beat(nodes[0])
+        assert first is not None  # a healthy node has a heartbeat
         endpoint = f"{first['address'] or first['host']}:{first['free_port']}"
         for node in nodes:
             self._command(
@@ -289,11 +290,11 @@ class Driver:
         # Rates say which node is slow only when each node has a machine of its own: nodes sharing one
         # (local executors) share its cores, and one measured while the others ran looks slow.
         if len({self.registered[node]["host"] for node in passed}) == len(passed):
-            for node, reason in slower_than_peers(passed, res.min_speed_ratio).items():
-                results[node] = {**results[node], "passed": False, "reason": reason}
-        passed = [node for node in nodes if node in results and results[node]["passed"]]
-        if res.diagnose_bandwidth and len(passed) >= 2:
-            for node, (reason, links) in self.check_links(passed, attempt).items():
+            for node, slow in slower_than_peers(passed, res.min_speed_ratio).items():
+                results[node] = {**results[node], "passed": False, "reason": slow}
+        healthy = [node for node in nodes if node in results and results[node]["passed"]]
+        if res.diagnose_bandwidth and len(healthy) >= 2:
+            for node, (reason, links) in self.check_links(healthy, attempt).items():
                 checks = {**results[node]["checks"], "links": links}
                 results[node] = {**results[node], "checks": checks}
                 if reason:
@@ -319,7 +320,8 @@ class Driver:
     def _answers(self, nodes: list[str], key: str, seq_before: int) -> dict[str, dict[str, Any]]:
         """The nodes' answers under `<key>/<node>` to a command sent after `seq_before`, as they come in
         until every node whose executor runs has answered, or resilience.diagnose_timeout_s has passed."""
-        answers, deadline = {}, time.time() + self.res.diagnose_timeout_s
+        answers: dict[str, dict[str, Any]] = {}
+        deadline = time.time() + self.res.diagnose_timeout_s
         while time.time() < deadline:
             waiting = [node for node in nodes if node not in answers and not self.executor_exited(node)]
             if not waiting:
@@ -463,7 +465,8 @@ class Driver:
                 last_step=fault.last_progress_step,
                 **fault.extra,
             )
-            named = self.watching.blame() if fault.kind in ("hang", "comm_flat") else None
+            hung = fault.kind in ("hang", "comm_flat") and self.watching is not None
+            named = self.watching.blame() if hung and self.watching is not None else None
             if named is not None:
                 self.events.write("blame", attempt=attempt, **named)
             if fault.kind == "input_error":
@@ -500,7 +503,7 @@ class Driver:
         self.stop_nodes(live)
         self.wait_for_snapshots(live)  # the snapshot taken before the fault, if any, is kept
         self.events.write("stopped", attempt=attempt, nodes=nodes)
-        if fault.kind == "straggler":
+        if fault.kind == "straggler" and fault.node is not None:
             evict(self.run_dir, fault.node)
             self.events.write("evict", node=fault.node, reason="straggler")
         for node in sorted(set(nodes) - set(live)):  # no executor to answer a self-check: failed at once

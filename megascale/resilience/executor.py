@@ -254,7 +254,7 @@ class Executor:
             "workers": workers,
             # What the driver kills should this executor die: torchrun's session and each worker's.
             "sessions": [process_identity(pid) for pid in [self.proc.pid, *workers]]
-            if state == "running"
+            if state == "running" and self.proc is not None
             else [],
             "io_bytes": io_bytes(workers),
             "free_port": free_port(self.address),
@@ -384,7 +384,12 @@ def run_executor(args: argparse.Namespace) -> int:
         args.connect_timeout,
         args.store_grace,
     )
-    signal.signal(signal.SIGTERM, lambda *_: (executor.abandon_node(), sys.exit(0)))
+
+    def stop_on_sigterm(*_: Any) -> None:
+        executor.abandon_node()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         executor.run()
     except StoreLost as err:

@@ -76,7 +76,7 @@ class Job:
         locations = [arg.split("=", 1)[1] for arg in args if arg.startswith("--checkpoint.location=")]
         self.checkpoint_root = locations[-1] if locations else str(self.run_dir / "checkpoints")
         self.work = work
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen  # the newest launch's
         self.launches: list[float] = []  # when each `megascale launch` of the row started
         self.exit_codes: list[int] = []
 
@@ -208,9 +208,9 @@ def overwrite_shard(job: Job, damage: ShardDamage) -> float:
     """Overwrite 256 bytes in the middle of the dataset's largest token shard, in place."""
     job.newest_checkpoint(after=0)
     shards = [path for path in (job.work / "data").rglob("shard-*.tokens")]
-    damage.path = max(shards, key=lambda path: path.stat().st_size)
-    middle = damage.path.stat().st_size // 2
-    with open(damage.path, "r+b") as file:
+    damage.path = path = max(shards, key=lambda path: path.stat().st_size)
+    middle = path.stat().st_size // 2
+    with open(path, "r+b") as file:
         file.seek(middle)
         damage.original = file.read(256)
         file.seek(middle)
@@ -220,6 +220,7 @@ def overwrite_shard(job: Job, damage: ShardDamage) -> float:
 
 def restore_shard(job: Job, damage: ShardDamage) -> None:
     """shard restored, `megascale launch`: the prepared bytes back (`megascale prepare` would do)."""
+    assert damage.path is not None  # overwrite_shard ran
     with open(damage.path, "r+b") as file:
         file.seek(damage.path.stat().st_size // 2)
         file.write(damage.original)
@@ -341,6 +342,7 @@ def restart_store(job: Job, store: Store) -> float:
     from megascale.resilience.redis_store import start_redis_server
 
     job.report(3)
+    assert store.server is not None  # started for this row
     store.server.kill()
     store.server.wait()
     killed = time.time()
@@ -448,7 +450,7 @@ def measure(row: Row, job: Job, fault_at: float, reference: dict[int, float], sh
         "recovered": done and gave_up is None,
         "ended": gave_up["reason"] if gave_up else None,
         "exit_codes": job.exit_codes,
-        "operator": row.follow_up.__doc__.split(":", 1)[0].strip() if row.follow_up else None,
+        "operator": (row.follow_up.__doc__ or "").split(":", 1)[0].strip() if row.follow_up else None,
         "cause": cause(gave_up["reason"]) if gave_up else None,
         "done": done,
         "steps_redone": steps_redone(job, after),

@@ -81,7 +81,8 @@ class AdoptedProcess:
     exit status of a process that is not our child cannot be read (returncode -1 once it is gone)."""
 
     def __init__(self, identity: dict[str, Any]):
-        self.identity, self.pid, self.returncode = identity, int(identity["pid"]), None
+        self.identity, self.pid = identity, int(identity["pid"])
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None and not is_alive(self.identity):
@@ -90,11 +91,11 @@ class AdoptedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+        while (code := self.poll()) is None:
+            if timeout is not None and deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
             time.sleep(0.1)
-        return self.returncode
+        return code
 
     def send_signal(self, sig: signal.Signals) -> None:
         if self.poll() is None:
@@ -105,6 +106,7 @@ def adopt(driver: Driver) -> None:
     """Take the job of a killed driver over: put its executors' registrations back in a store that died
     with it, adopt the executors it started that still live, and start again those that died."""
     previous = driver.previous
+    assert previous is not None  # only a driver that found a killed one's record takes over
     driver.events.write("takeover", job=driver.job, previous_pid=previous["identity"]["pid"])
     known = registrations(driver.run_dir)
     driver.registered.update((info["node"], info) for info in known)  # joined before: no new event

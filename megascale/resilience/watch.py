@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megascale.observe.hang import HANG, analyze, read_dumps
@@ -228,7 +229,7 @@ class AttemptWatch:
         said = self.driver.persist_failures
         for node, beat in beats.items():
             failures = beat.get("persist_failures", 0) if beat else 0
-            if failures > said.get(node, 0):
+            if beat and failures > said.get(node, 0):
                 said[node] = failures
                 self.events.write("persist_failed", node=node, error=beat["persist_error"])
 
@@ -261,7 +262,9 @@ class AttemptWatch:
         )
         while True:
             found = [
-                session / HANG for session in sessions(cfg.training.run_dir) if (session / HANG).is_dir()
+                session / HANG
+                for session in sessions(Path(cfg.training.run_dir))
+                if (session / HANG).is_dir()
             ]
             dumps = {
                 rank: dump
