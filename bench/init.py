@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megascale.parallel.dims import ParallelDims
-from megascale.resilience.redis_store import local_redis_server
+from megascale.stores.redis_store import local_redis_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record, run as a script
 from bench.record import save_record  # noqa: E402
@@ -213,7 +213,7 @@ def part_groups(counts: list[int], repeats: int) -> dict[str, float]:
 
 
 class RedisPyStore:
-    """Stand-in with the Redis store's interface, used only while megascale.resilience.redis_store is
+    """Stand-in with the Redis store's interface, used only while megascale.stores.redis_store is
     absent."""
 
     def __init__(self, url: str, prefix: str = "", timeout: timedelta = timedelta(seconds=300)):
@@ -249,7 +249,7 @@ def connect(kind: str, address: str):
         host, port = address.rsplit(":", 1)
         return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     try:
-        from megascale.resilience.redis_store import RedisStore
+        from megascale.stores.redis_store import RedisStore
     except ImportError:
         return RedisPyStore(address, timeout=timeout)
     return RedisStore(address, timeout=timeout)
@@ -434,9 +434,9 @@ def part_store(client_counts: list[int], args) -> dict[str, float]:
 
 def redis_store_class() -> str:
     try:
-        from megascale.resilience.redis_store import RedisStore
+        from megascale.stores.redis_store import RedisStore
     except ImportError:
-        return "bench stand-in (redis-py; megascale.resilience.redis_store absent)"
+        return "bench stand-in (redis-py; megascale.stores.redis_store absent)"
     return f"{RedisStore.__module__}.{RedisStore.__qualname__}"
 
 

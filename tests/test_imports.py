@@ -80,3 +80,25 @@ def test_models_and_the_planner_know_nothing_of_parallelism_resilience_or_the_tr
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_layers_below_the_run_import_nothing_above_them():
+    """Model, data, optimiser, parallelism, checkpoints, observation and the stores serve the trainer and
+    the control plane; they never import them, the cost model, or the command line's tools."""
+    below = (
+        "megascale.models", "megascale.data", "megascale.optim", "megascale.parallel",
+        "megascale.checkpoint", "megascale.observe", "megascale.stores", "megascale.host",
+        "megascale.config", "megascale.errors", "megascale.options",
+    )  # fmt: skip
+    above = (
+        "megascale.resilience", "megascale.trainer", "megascale.launch", "megascale.cli",
+        "megascale.plan", "megascale.calibrate", "megascale.convert",
+    )  # fmt: skip
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith(below)
+        for target in targets
+        if target.startswith(above)
+    ]
+    assert not wrong, "; ".join(wrong)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints, read_manifest
+from megascale.host import children_alive
 from megascale.observe.metrics import read_metrics
-from megascale.resilience.host import children_alive
 from tests.conftest import tiny_args
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from megascale.errors import MegascaleError
+from megascale.observe.events import read_events
 from megascale.observe.hang import HANG
 from megascale.observe.metrics import read_metrics
 from megascale.observe.trace import MERGED, sessions
-from megascale.resilience.records import read_events
 
 Records = list[dict[str, Any]]
 Series = tuple[str, str, list[tuple[float, float]]]  # label, colour, (step, value) points

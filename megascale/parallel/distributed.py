@@ -3,7 +3,7 @@
 torchrun, `megascale train --nproc N` and srun-with-torchrun all export RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT; `init_process_group` reads them. The ranks meet in torch's TCPStore at
 MASTER_ADDR:MASTER_PORT, or, with `parallel.store = "redis://..."`, in a Redis server (paper §3.5;
-`megascale.resilience.redis_store`). The backend follows the device: gloo on CPU; on an accelerator its
+`megascale.stores.redis_store`). The backend follows the device: gloo on CPU; on an accelerator its
 own backend (NCCL on CUDA) with gloo kept for CPU tensors. The accelerator branch cannot run on this
 project's CPU-only machines and is untested.
 """
@@ -76,7 +76,7 @@ def init_distributed(device: torch.device, timeout_s: float, store: str = "env")
     if store == "env":
         dist.init_process_group(backend, timeout=timeout)
         return
-    from megascale.resilience.redis_store import RedisStore  # redis only for jobs that ask for it
+    from megascale.stores.redis_store import RedisStore  # redis only for jobs that ask for it
 
     global _redis_store
     _redis_store = RedisStore(store, prefix=rendezvous_prefix(), timeout=timeout)

@@ -30,13 +30,13 @@ from megascale.checkpoint.persist import abandon
 from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
+from megascale.host import local_address
+from megascale.observe.events import EventLog
 from megascale.resilience.diagnostics import slower_than_peers
 from megascale.resilience.executor import executor_command
-from megascale.resilience.host import local_address
 from megascale.resilience.inject import INJECT, active_faults, corrupt_checkpoint
 from megascale.resilience.links import blame, link_rounds
-from megascale.resilience.records import EventLog, evict, read_blocklist
-from megascale.resilience.store import ControlStore, OutageTolerantStore, StoreLost, open_store
+from megascale.resilience.records import evict, read_blocklist
 from megascale.resilience.takeover import (
     AdoptedProcess,
     adopt,
@@ -46,6 +46,7 @@ from megascale.resilience.takeover import (
     write_record,
 )
 from megascale.resilience.watch import AttemptWatch, Fault
+from megascale.stores.control import ControlStore, OutageTolerantStore, StoreLost, open_store
 
 log = logging.getLogger("megascale.driver")
 HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evicted

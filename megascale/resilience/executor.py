@@ -30,10 +30,10 @@ from typing import Any
 from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister, pending, persist
 from megascale.checkpoint.staging import claim, process_identity, remove_stale, staging_base
 from megascale.errors import ConfigError
+from megascale.host import children_alive, free_port, interface_of, io_bytes
 from megascale.resilience.client import HEARTBEAT_DIR, read_input_errors, read_progress
-from megascale.resilience.host import children_alive, free_port, interface_of, io_bytes
 from megascale.resilience.inject import ATTEMPT
-from megascale.resilience.store import OutageTolerantStore, StoreLost, open_store
+from megascale.stores.control import OutageTolerantStore, StoreLost, open_store
 
 ERROR_KEYWORDS = re.compile(
     r"traceback|error|nccl|gloo|segmentation fault|core dumped|killed|exitcode", re.ASCII | re.IGNORECASE

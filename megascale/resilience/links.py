@@ -105,8 +105,8 @@ def _links_worker(spec: dict[str, Any], result_path: str) -> None:
     """A fresh process: run this node's pairs in round order, write {peer: result} as JSON."""
     import torch
 
-    from megascale.resilience.host import interface_of
-    from megascale.resilience.store import open_store
+    from megascale.host import interface_of
+    from megascale.stores.control import open_store
 
     torch.set_num_threads(1)
     interface = interface_of(spec["address"]) if spec["address"] else None

@@ -33,8 +33,8 @@ from typing import Any
 
 from megascale.checkpoint.manifest import list_checkpoints
 from megascale.checkpoint.staging import bytes_held, staging_base
+from megascale.observe.events import read_events
 from megascale.observe.metrics import read_metrics
-from megascale.resilience.records import read_events
 
 STEPS, EVERY = 20, 4
 # The rehearsal's job: small enough for a laptop, long enough that every fault lands mid-run.
@@ -339,7 +339,7 @@ class Store:
 
 
 def restart_store(job: Job, store: Store) -> float:
-    from megascale.resilience.redis_store import start_redis_server
+    from megascale.stores.redis_store import start_redis_server
 
     job.report(3)
     assert store.server is not None  # started for this row
@@ -523,8 +523,8 @@ def table(results: list[dict]) -> str:
 
 
 def rehearse(work: Path, only: list[str] | None, job_args: list[str]) -> list[dict]:
-    from megascale.resilience.host import free_port
-    from megascale.resilience.redis_store import start_redis_server
+    from megascale.host import free_port
+    from megascale.stores.redis_store import start_redis_server
 
     work.mkdir(parents=True, exist_ok=True)
     job_args = [*JOB, f"--data.cache_dir={work / 'data'}", *job_args]

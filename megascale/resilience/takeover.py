@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.errors import ConfigError
-from megascale.resilience.records import read_blocklist, read_events
+from megascale.observe.events import read_events
+from megascale.resilience.records import read_blocklist
 
 if TYPE_CHECKING:
     from megascale.resilience.driver import Driver

@@ -8,7 +8,7 @@ import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.errors import CheckpointError
-from megascale.resilience.records import EventLog
+from megascale.observe.events import EventLog
 from megascale.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ import pytest
 from megascale.checkpoint.staging import BASE, OWNER_SUFFIX, claim, is_alive, process_identity
 from megascale.cli import main
 from megascale.resilience.executor import Executor
-from megascale.resilience.store import open_store
+from megascale.stores.control import open_store
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from megascale.resilience.redis_store import local_redis_server
+from megascale.stores.redis_store import local_redis_server
 
 
 @pytest.fixture(scope="session")

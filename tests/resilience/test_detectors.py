@@ -1,7 +1,8 @@
 """The driver's pure parts: its detectors on made-up series, the blocklist and the events log."""
 
+from megascale.observe.events import EventLog, read_events
 from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
-from megascale.resilience.records import EventLog, evict, read_blocklist, read_events
+from megascale.resilience.records import evict, read_blocklist
 
 
 def test_a_nonfinite_step_is_reported_once_every_rank_is_past_it_with_all_their_names():

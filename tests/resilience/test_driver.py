@@ -15,10 +15,11 @@ import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.checkpoint.staging import BASE
+from megascale.host import free_port
+from megascale.observe.events import read_events
 from megascale.observe.metrics import read_metrics
-from megascale.resilience.host import free_port
-from megascale.resilience.records import read_blocklist, read_events
-from megascale.resilience.redis_store import start_redis_server
+from megascale.resilience.records import read_blocklist
+from megascale.stores.redis_store import start_redis_server
 from tests.conftest import tiny_args
 
 STEPS, EVERY = 12, 4

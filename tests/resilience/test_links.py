@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from megascale.resilience.links import blame, link_rounds, plan_for, run_link_checks
-from megascale.resilience.store import open_store
+from megascale.stores.control import open_store
 
 
 @pytest.mark.parametrize("count", [2, 3, 4, 5])

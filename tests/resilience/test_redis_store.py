@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from megascale.config import load_config
 from megascale.errors import ConfigError
+from megascale.host import free_port
 from megascale.observe.metrics import read_metrics
 from megascale.parallel.distributed import init_distributed, rendezvous_prefix
-from megascale.resilience.host import free_port
-from megascale.resilience.redis_store import RedisStore
+from megascale.stores.redis_store import RedisStore
 from tests.conftest import tiny_args
 from tests.parallel.multiprocess import join_or_kill
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from megascale.resilience.store import OutageTolerantStore, open_store
+from megascale.stores.control import OutageTolerantStore, open_store
 
 
 @pytest.fixture(params=["tcp", "redis"])

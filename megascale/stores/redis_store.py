@@ -281,7 +281,7 @@ class RedisStore(dist.Store):
 def local_redis_server(timeout_s: float = 30.0) -> Iterator[str]:
     """A throwaway redis-server on a free loopback port, without persistence, for tests, benchmarks and a
     try-out on one machine; yields its URL (database 0) once it answers, and kills it (by pid) after."""
-    from megascale.resilience.host import free_port
+    from megascale.host import free_port
 
     port = free_port("127.0.0.1")
     proc = start_redis_server(port, timeout_s)

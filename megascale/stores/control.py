@@ -4,7 +4,7 @@ Heartbeats, commands and diagnostics results are small JSON values under well-kn
 the node names, or counts them with `add`, so nothing ever lists keys). TCPStore needs no setup: the
 driver hosts it. Redis (`resilience.store = "redis://host:port/db"`) survives the driver and serves
 thousands of clients; the MegaScale paper moved to it for exactly that (§3.5). Both sides are
-torch.distributed Stores (Redis through `megascale.resilience.redis_store.RedisStore`, the one the
+torch.distributed Stores (Redis through `megascale.stores.redis_store.RedisStore`, the one the
 training processes can rendezvous through too); this protocol only adds JSON values and a read that
 does not wait.
 """
@@ -82,7 +82,7 @@ class RedisControlStore(JsonStore):
     a server."""
 
     def __init__(self, url: str, prefix: str, timeout_s: float = 30.0):
-        from megascale.resilience.redis_store import RedisStore
+        from megascale.stores.redis_store import RedisStore
 
         self._store = RedisStore(url, prefix=prefix, timeout=timedelta(seconds=timeout_s))
         self.url = url
