@@ -256,7 +256,7 @@ def in_two_rank_group(rank: int, init_file: str, measure: Callable[[], dict[str,
 def tensor_parallel(mesh: DeviceMesh) -> Callable[[torch.nn.Module], None]:
     """What the TP probes apply to a model: the trainer's tensor parallelism over `mesh`, with sequence
     parallelism and the default overlap, as a run without flags has them."""
-    from megascale.models import plan
+    from megascale.models import sharding
     from megascale.parallel.tensor import apply_tensor_parallel
 
     overlap = OverlapConfig()
@@ -265,9 +265,9 @@ def tensor_parallel(mesh: DeviceMesh) -> Callable[[torch.nn.Module], None]:
         apply_tensor_parallel(
             model,
             mesh,
-            blocks=plan.BLOCKS,
-            block_plan=plan.BLOCK_PLAN,
-            top_level_plan=plan.TOP_LEVEL_PLAN,
+            blocks=sharding.BLOCKS,
+            block_plan=sharding.BLOCK_PLAN,
+            top_level_plan=sharding.TOP_LEVEL_PLAN,
             sequence_parallel=True,
             overlap_chunks=overlap.tp_chunks if overlap.tp else None,
         )
@@ -280,7 +280,7 @@ def _measure_gloo() -> dict[str, float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from megascale.models import plan
+    from megascale.models import sharding
     from megascale.parallel.data import apply_fsdp
 
     one, two = torch.ones(1), torch.empty(2)
@@ -292,7 +292,8 @@ def _measure_gloo() -> dict[str, float]:
     overlap = OverlapConfig()  # the trainer's default overlaps, as a run without flags has them
     tp_host = host_seconds(tensor_parallel(mesh), calls=24, sized=True)
     fsdp_host = host_seconds(
-        lambda model: apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap.dp), calls=24
+        lambda model: apply_fsdp(model, mesh, blocks=sharding.BLOCKS, zero_stage=3, overlap=overlap.dp),
+        calls=24,
     )
     half_bytes = PROBE_FLOATS * 4 / 2  # what a ring over 2 ranks moves per rank: (n - 1)/n of the tensor
     return {

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from megascale.config import ParallelConfig
-from megascale.models import plan
+from megascale.models import sharding
 from megascale.parallel.activation import apply_activation_checkpointing
 from megascale.parallel.data import GradientReductions, apply_fsdp
 from megascale.parallel.dims import ParallelDims
@@ -64,7 +64,7 @@ def parallelize(
     reductions = GradientReductions() if async_reductions else None
     if dims.pp > 1:
         num_stages = dims.pp * par.pp_virtual_stages
-        ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=plan.BLOCKS)
+        ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=sharding.BLOCKS)
         stage_ids = stage_ids_of(mesh["pp"].get_local_rank(), dims.pp, par.pp_virtual_stages)
         parts = [
             build_stage_module(
@@ -72,9 +72,9 @@ def parallelize(
                 ranges[stage_id],
                 first=stage_id == 0,
                 last=stage_id == num_stages - 1,
-                blocks=plan.BLOCKS,
-                first_stage_modules=plan.FIRST_STAGE,
-                last_stage_modules=plan.LAST_STAGE,
+                blocks=sharding.BLOCKS,
+                first_stage_modules=sharding.FIRST_STAGE,
+                last_stage_modules=sharding.LAST_STAGE,
             )
             for stage_id in stage_ids
         ]
@@ -84,21 +84,21 @@ def parallelize(
             apply_tensor_parallel(
                 part,
                 mesh["tp"],
-                blocks=plan.BLOCKS,
-                block_plan=plan.BLOCK_PLAN,
-                top_level_plan=plan.TOP_LEVEL_PLAN,
+                blocks=sharding.BLOCKS,
+                block_plan=sharding.BLOCK_PLAN,
+                top_level_plan=sharding.TOP_LEVEL_PLAN,
                 sequence_parallel=par.sequence_parallel,
                 overlap_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
             )
-        apply_activation_checkpointing(part, blocks=plan.BLOCKS, mode=par.activation_checkpoint)
+        apply_activation_checkpointing(part, blocks=sharding.BLOCKS, mode=par.activation_checkpoint)
         if compile_blocks:
-            for block in part.get_submodule(plan.BLOCKS).children():
+            for block in part.get_submodule(sharding.BLOCKS).children():
                 block.compile()
         if dims.dp > 1:
             apply_fsdp(
                 part,
                 dims.fsdp_mesh(mesh),
-                blocks=plan.BLOCKS,
+                blocks=sharding.BLOCKS,
                 zero_stage=par.zero_stage,
                 overlap=par.overlap.dp,
                 reductions=reductions,

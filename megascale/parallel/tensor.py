@@ -5,7 +5,7 @@ with sequence parallelism the residual stream, norms and dropout live on sequenc
 the all-reduce of plain TP becomes an all-gather before each column-parallel input and a reduce-scatter
 after each row-parallel output (paper §3.2, Fig. 3a). The embedding and the output layer are split over
 the vocabulary and the loss is computed on vocabulary shards (`loss_parallel`). DTensor's parallel styles
-do all of this; what this module adds is the mapping from the model's plain-words plan (models/plan.py)
+do all of this; what this module adds is the mapping from the model's plain-words plan (models/sharding.py)
 to those styles, so neither side names the other.
 """
 

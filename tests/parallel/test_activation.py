@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megascale.config import AttentionConfig, ModelConfig
-from megascale.models import plan
+from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.activation import apply_activation_checkpointing
 from tests.parallel.tiny import tiny_model_config
@@ -22,7 +22,7 @@ def test_checkpointed_model_gives_identical_loss_and_grads(mode, block):
     torch.manual_seed(0)
     plain = Transformer(cfg)
     wrapped = copy.deepcopy(plain)
-    apply_activation_checkpointing(wrapped, blocks=plan.BLOCKS, mode=mode)
+    apply_activation_checkpointing(wrapped, blocks=sharding.BLOCKS, mode=mode)
     tokens = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (plain, wrapped):
@@ -39,7 +39,7 @@ def test_checkpointed_model_gives_identical_loss_and_grads(mode, block):
 def test_none_leaves_the_model_alone():
     model = Transformer(ModelConfig(dim=32, n_layers=1, vocab_size=64, attention=AttentionConfig(n_heads=4)))
     before = [type(m) for m in model.modules()]
-    apply_activation_checkpointing(model, blocks=plan.BLOCKS, mode="none")
+    apply_activation_checkpointing(model, blocks=sharding.BLOCKS, mode="none")
     assert [type(m) for m in model.modules()] == before
 
 
@@ -63,7 +63,7 @@ def test_selective_recomputes_only_cheap_ops_and_full_recomputes_everything():
     for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
         model = Transformer(cfg)
-        apply_activation_checkpointing(model, blocks=plan.BLOCKS, mode=mode)
+        apply_activation_checkpointing(model, blocks=sharding.BLOCKS, mode=mode)
         with _OpCounter() as counter:
             model(tokens).sum().backward()
         counts[mode] = (counter.ops, counter.matmuls)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from megascale.models import plan
+from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.data import apply_fsdp, issue_first_all_gathers
 from megascale.parallel.tensor import apply_tensor_parallel, loss_context
@@ -31,13 +31,13 @@ def _errors(rank, world_size, mesh_shape, mesh_names, zero_stage, block):
         apply_tensor_parallel(
             sharded,
             mesh["tp"],
-            blocks=plan.BLOCKS,
-            block_plan=plan.BLOCK_PLAN,
-            top_level_plan=plan.TOP_LEVEL_PLAN,
+            blocks=sharding.BLOCKS,
+            block_plan=sharding.BLOCK_PLAN,
+            top_level_plan=sharding.TOP_LEVEL_PLAN,
             sequence_parallel=True,
         )
     dp_names = tuple(name for name in mesh_names if name != "tp")
-    apply_fsdp(sharded, mesh[dp_names], blocks=plan.BLOCKS, zero_stage=zero_stage)
+    apply_fsdp(sharded, mesh[dp_names], blocks=sharding.BLOCKS, zero_stage=zero_stage)
 
     tokens = torch.randint(0, 96, (BATCH, 33), generator=torch.Generator().manual_seed(1))
     ref_loss = F.cross_entropy(reference(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -85,7 +85,7 @@ def _train_with_overlap(rank, world_size, overlap, directory):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     torch.manual_seed(0)
     model = Transformer(tiny_model_config("serial"))
-    apply_fsdp(model, mesh, blocks=plan.BLOCKS, zero_stage=3, overlap=overlap)
+    apply_fsdp(model, mesh, blocks=sharding.BLOCKS, zero_stage=3, overlap=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     timeline = Timeline(directory, rank=rank, coords={})
     record_collectives(timeline)

@@ -3,7 +3,7 @@ parity matrix, tests/parallel/test_parity_matrix.py)."""
 
 import pytest
 
-from megascale.models import plan
+from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.pipeline import build_stage_module, split_layers, stage_ids_of, stage_layer_ranges
 from tests.parallel.tiny import tiny_model_config
@@ -44,12 +44,12 @@ def test_looped_placement_of_virtual_stages():
 
 def test_params_split_counts_the_embedding_and_output_layer():
     model = Transformer(tiny_model_config(n_layers=4))
-    assert stage_layer_ranges(model, 2, "uniform", blocks=plan.BLOCKS) == [range(0, 2), range(2, 4)]
+    assert stage_layer_ranges(model, 2, "uniform", blocks=sharding.BLOCKS) == [range(0, 2), range(2, 4)]
     # Vocabulary 96 x dim 64 on each end is ~0.2 of a block: still 2 + 2.
-    assert stage_layer_ranges(model, 2, "params", blocks=plan.BLOCKS) == [range(0, 2), range(2, 4)]
+    assert stage_layer_ranges(model, 2, "params", blocks=sharding.BLOCKS) == [range(0, 2), range(2, 4)]
     wide_vocab = Transformer(tiny_model_config(n_layers=4, vocab_size=4096))
-    assert stage_layer_ranges(wide_vocab, 2, "params", blocks=plan.BLOCKS) == [range(0, 2), range(2, 4)]
-    assert stage_layer_ranges(wide_vocab, 3, "params", blocks=plan.BLOCKS) == [
+    assert stage_layer_ranges(wide_vocab, 2, "params", blocks=sharding.BLOCKS) == [range(0, 2), range(2, 4)]
+    assert stage_layer_ranges(wide_vocab, 3, "params", blocks=sharding.BLOCKS) == [
         range(0, 1),
         range(1, 3),
         range(3, 4),
@@ -63,9 +63,9 @@ def test_a_stage_keeps_its_layers_names_and_only_its_end_modules():
         range(1, 3),
         first=False,
         last=False,
-        blocks=plan.BLOCKS,
-        first_stage_modules=plan.FIRST_STAGE,
-        last_stage_modules=plan.LAST_STAGE,
+        blocks=sharding.BLOCKS,
+        first_stage_modules=sharding.FIRST_STAGE,
+        last_stage_modules=sharding.LAST_STAGE,
     )
     assert list(middle.layers.keys()) == ["1", "2"]
     assert middle.tok_embeddings is None and middle.norm is None and middle.output is None
@@ -76,8 +76,8 @@ def test_a_stage_keeps_its_layers_names_and_only_its_end_modules():
         range(3, 4),
         first=False,
         last=True,
-        blocks=plan.BLOCKS,
-        first_stage_modules=plan.FIRST_STAGE,
-        last_stage_modules=plan.LAST_STAGE,
+        blocks=sharding.BLOCKS,
+        first_stage_modules=sharding.FIRST_STAGE,
+        last_stage_modules=sharding.LAST_STAGE,
     )
     assert last.output is not None and last.tok_embeddings is None

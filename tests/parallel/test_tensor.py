@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from megascale.models import plan
+from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.activation import apply_activation_checkpointing
 from megascale.parallel.tensor import apply_tensor_parallel, loss_context
@@ -54,13 +54,13 @@ def _max_errors(rank, world_size):
         apply_tensor_parallel(
             sharded,
             mesh,
-            blocks=plan.BLOCKS,
-            block_plan=plan.BLOCK_PLAN,
-            top_level_plan=plan.TOP_LEVEL_PLAN,
+            blocks=sharding.BLOCKS,
+            block_plan=sharding.BLOCK_PLAN,
+            top_level_plan=sharding.TOP_LEVEL_PLAN,
             sequence_parallel=case["sequence_parallel"],
             overlap_chunks=case.get("overlap_chunks"),
         )
-        apply_activation_checkpointing(sharded, blocks=plan.BLOCKS, mode=case.get("checkpoint", "none"))
+        apply_activation_checkpointing(sharded, blocks=sharding.BLOCKS, mode=case.get("checkpoint", "none"))
         extra_params = len(list(sharded.parameters())) - len(list(reference.parameters()))
         tokens = torch.randint(0, 96, (3, 33), generator=torch.Generator().manual_seed(1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
