@@ -42,7 +42,8 @@ from megascale.observe.progress import TrainingProgress, log_to_files, make_cons
 from megascale.observe.timeline import Timeline
 from megascale.optim import apply_settings, build_lr_scheduler, build_optimizer
 from megascale.optim.clip import clip_by_global_norm
-from megascale.parallel.data import issue_first_all_gathers, sync_gradients
+from megascale.parallel.data import sync_gradients
+from megascale.parallel.data_overlap import issue_first_all_gathers
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
 from megascale.parallel.parallelize import parallelize

@@ -20,7 +20,8 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from megascale.config import ParallelConfig
 from megascale.models import sharding
 from megascale.parallel.activation import apply_activation_checkpointing
-from megascale.parallel.data import GradientReductions, apply_fsdp
+from megascale.parallel.data import apply_fsdp
+from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
 from megascale.parallel.tensor import apply_tensor_parallel

@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from megascale.models import sharding
 from megascale.models.llama import Transformer
-from megascale.parallel.data import apply_fsdp, issue_first_all_gathers
+from megascale.parallel.data import apply_fsdp
+from megascale.parallel.data_overlap import issue_first_all_gathers
 from megascale.parallel.tensor import apply_tensor_parallel, loss_context
 from tests.parallel.multiprocess import run_ranks
 from tests.parallel.tiny import tiny_model_config
