@@ -60,3 +60,11 @@ def read_progress(directory: Path) -> dict[int, dict[str, Any]]:
         except (OSError, ValueError):
             continue  # replaced while reading: the next heartbeat has it
     return reports
+
+
+def attempt_reports(run_dir: Path, attempt: int) -> dict[int, dict[str, Any]]:
+    """Every rank's newest report of `attempt`, over all the run's nodes (`<run_dir>/nodes/*/attempt-N`)."""
+    reports = {}
+    for directory in Path(run_dir).glob(f"nodes/*/attempt-{attempt}"):
+        reports.update(read_progress(directory))
+    return reports

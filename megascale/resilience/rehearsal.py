@@ -35,6 +35,7 @@ from megascale.checkpoint.manifest import list_checkpoints
 from megascale.checkpoint.staging import bytes_held, staging_base
 from megascale.observe.events import read_events
 from megascale.observe.metrics import read_metrics
+from megascale.resilience.client import attempt_reports
 
 STEPS, EVERY = 20, 4
 # The rehearsal's job: small enough for a laptop, long enough that every fault lands mid-run.
@@ -96,18 +97,13 @@ class Job:
         self.exit_codes.append(code)
         return code
 
-    def report(self, step: int, rank: str = "*", timeout_s: float = 180.0) -> dict[str, Any]:
+    def report(self, step: int, rank: int | None = None, timeout_s: float = 180.0) -> dict[str, Any]:
         """Until a rank (`rank`, else any) of the newest attempt reports `step` or later; that report."""
         deadline = time.time() + timeout_s
         while True:
-            attempts = sorted(self.run_dir.glob("nodes/*/attempt-*"), key=lambda p: int(p.name.split("-")[1]))
-            newest = attempts[-1].name if attempts else "attempt-0"
-            for path in self.run_dir.glob(f"nodes/*/{newest}/rank-{rank}.json"):
-                try:
-                    report = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue  # replaced while read
-                if report["step"] >= step:
+            attempts = [int(path.name.split("-")[1]) for path in self.run_dir.glob("nodes/*/attempt-*")]
+            for number, report in attempt_reports(self.run_dir, max(attempts, default=0)).items():
+                if rank in (None, number) and report["step"] >= step:
                     return report
             if time.time() > deadline or self.proc.poll() is not None:
                 raise RuntimeError(f"{self.run_dir.name}: no rank reached step {step}")
@@ -143,12 +139,12 @@ def processes_naming(path: Path) -> list[tuple[int, str]]:
 
 # -- the faults ---------------------------------------------------------------------------------------
 def kill_rank(job: Job) -> float:
-    os.kill(job.report(3, rank="1")["pid"], signal.SIGKILL)
+    os.kill(job.report(3, rank=1)["pid"], signal.SIGKILL)
     return time.time()
 
 
 def stop_rank(job: Job) -> float:
-    os.kill(job.report(3, rank="2")["pid"], signal.SIGSTOP)
+    os.kill(job.report(3, rank=2)["pid"], signal.SIGSTOP)
     return time.time()
 
 
@@ -169,7 +165,7 @@ def kill_driver(job: Job) -> float:
 
 
 def two_nodes_at_once(job: Job) -> float:
-    first, second = job.report(3, rank="1")["pid"], job.report(3, rank="3")["pid"]
+    first, second = job.report(3, rank=1)["pid"], job.report(3, rank=3)["pid"]
     os.kill(first, signal.SIGKILL)
     time.sleep(0.5)
     os.kill(second, signal.SIGKILL)
@@ -182,14 +178,14 @@ def corrupt_newest_checkpoint(job: Job) -> float:
     newest = Path(job.newest_checkpoint(after=EVERY))
     shard = sorted(newest.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    os.kill(job.report(0, rank="1")["pid"], signal.SIGKILL)
+    os.kill(job.report(0, rank=1)["pid"], signal.SIGKILL)
     return time.time()
 
 
 def delete_checkpoints(job: Job) -> float:
     job.newest_checkpoint(after=EVERY)
     shutil.rmtree(job.checkpoint_root)
-    os.kill(job.report(0, rank="1")["pid"], signal.SIGKILL)
+    os.kill(job.report(0, rank=1)["pid"], signal.SIGKILL)
     return time.time()
 
 
@@ -229,7 +225,7 @@ def restore_shard(job: Job, damage: ShardDamage) -> None:
 
 def slow_rank(job: Job) -> float:
     """From step 6, rank 1 runs a tenth of the time (SIGSTOP/SIGCONT), as a throttled or sick GPU does."""
-    pid = job.report(6, rank="1")["pid"]
+    pid = job.report(6, rank=1)["pid"]
 
     def throttle() -> None:
         try:

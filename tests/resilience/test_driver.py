@@ -19,6 +19,7 @@ from megascale.checkpoint.staging import BASE
 from megascale.host import free_port
 from megascale.observe.events import read_events
 from megascale.observe.metrics import read_metrics
+from megascale.resilience.client import attempt_reports
 from megascale.resilience.records import read_blocklist
 from megascale.stores.redis_store import start_redis_server
 from tests.conftest import tiny_args
@@ -166,13 +167,7 @@ def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
     executor again (it adopts the node's staging and persists what the dead one had not), restarts without
     waiting for an answer that cannot come, and ends with the reference's losses: no process of the job
     and no byte of its staging left."""
-    base = tmp_path / "shm"
-    monkeypatch.setenv(BASE, str(base))
-    run_dir = tmp_path / "executor-killed"
-    args = tiny_args(
-        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
-        "--resilience.nodes=2", "--resilience.nproc_per_node=2",
-    )  # fmt: skip
+    run_dir, args, base = two_node_job(tiny_corpus, tmp_path, monkeypatch, "executor-killed")
     launch = start_launch(args, tmp_path)
     try:
         wait_for_step(launch, run_dir, attempt=0, step=3)
@@ -181,9 +176,7 @@ def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
         killed_at = time.time()
         _, err = launch.communicate(timeout=300)
     finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
+        stop(launch)
     assert launch.returncode == 0, err[-4000:]
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
@@ -210,13 +203,7 @@ def test_a_killed_driver_started_again_takes_the_job_over_without_losing_a_step(
     the loss of its store); `megascale launch` again on the same run directory serves the store again,
     adopts the executors and the attempt they run, and the job ends in that one attempt with the
     reference's losses and nothing left behind. A second launch while a driver runs is refused."""
-    base = tmp_path / "shm"
-    monkeypatch.setenv(BASE, str(base))
-    run_dir = tmp_path / "driver-killed"
-    args = tiny_args(
-        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
-        "--resilience.nodes=2", "--resilience.nproc_per_node=2",
-    )  # fmt: skip
+    run_dir, args, base = two_node_job(tiny_corpus, tmp_path, monkeypatch, "driver-killed")
     launch = start_launch(args, tmp_path)
     try:
         wait_for_step(launch, run_dir, attempt=0, step=2)
@@ -231,9 +218,7 @@ def test_a_killed_driver_started_again_takes_the_job_over_without_losing_a_step(
         launch = start_launch(args, tmp_path)
         _, err = launch.communicate(timeout=300)
     finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.wait()
+        stop(launch)
     assert launch.returncode == 0, err[-4000:]
     events = read_events(run_dir)
     assert "takeover" in kinds(events) and kinds(events)[-1] == "done"
@@ -248,22 +233,37 @@ def test_a_killed_driver_started_again_takes_the_job_over_without_losing_a_step(
     assert not list(base.glob("megascale-*")), "the job's staging outlived it"
 
 
+def two_node_job(tiny_corpus, tmp_path, monkeypatch, name):
+    """The run directory and arguments of a 2 nodes x 2 processes job, and its own staging base."""
+    base = tmp_path / "shm"
+    monkeypatch.setenv(BASE, str(base))
+    run_dir = tmp_path / name
+    args = tiny_args(
+        tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
+        "--resilience.nodes=2", "--resilience.nproc_per_node=2",
+    )  # fmt: skip
+    return run_dir, args, base
+
+
+def stop(job):
+    """Kill a launch still running (a failed test's), and reap it."""
+    if job.poll() is None:
+        job.kill()
+        job.wait()
+
+
 def start_launch(args, cwd):
     """`megascale launch` with `args` in the background; its stderr kept for the failure message."""
     command = [sys.executable, "-m", "megascale.cli", "launch", *args]
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(job, run_dir, attempt, step, rank="*", timeout_s=120):
+def wait_for_step(job, run_dir, attempt, step, rank=None, timeout_s=120):
     """Until a rank of `attempt` (`rank`, else any) reports `step` or later, while `job` runs; the report."""
     deadline = time.time() + timeout_s
     while True:
-        for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-{rank}.json"):
-            try:
-                report = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue  # replaced while read
-            if report["step"] >= step:
+        for number, report in attempt_reports(run_dir, attempt).items():
+            if rank in (None, number) and report["step"] >= step:
                 return report
         assert time.time() < deadline and job.poll() is None, f"attempt {attempt} did not reach step {step}"
         time.sleep(0.05)
@@ -354,9 +354,7 @@ def test_a_redis_restart_is_ridden_out_and_an_outage_past_the_grace_ends_the_job
         assert job.returncode == 0, err[-4000:]
         assert losses(tmp_path / "lost") == reference
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        stop(job)
         redis.kill()
         redis.wait()
 
@@ -381,9 +379,7 @@ def test_a_stopped_rank_is_named_and_its_node_evicted_when_it_hangs_again(refere
             os.kill(report["pid"], signal.SIGSTOP)
         _, err = job.communicate(timeout=400)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        stop(job)
     assert job.returncode == 0, err[-4000:]
     events = read_events(run_dir)
     assert [event["kind"] for event in events if event["event"] == "fault"] == ["comm_flat"] * 2
@@ -420,7 +416,9 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
     assert fault["kind"] == "hang" and fault["last_step"] == 4
-    last_progress = max(record["time"] for record in _attempt_reports(run_dir, 0) if record["step"] == 4)
+    last_progress = max(
+        record["time"] for record in attempt_reports(run_dir, 0).values() if record["step"] == 4
+    )
     delay = fault["time"] - last_progress
     print(
         f"hang detected {delay:.1f} s after the last step (timeout {hang_timeout} s, heartbeat {interval} s)"
@@ -461,7 +459,9 @@ def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp
     assert blame["suspect_ranks"] == [0] and blame["nodes"] == ["node-0"]  # the hung rank, by its own state
     fault = next(event for event in events if event["event"] == "fault")
     assert fault["kind"] == "comm_flat" and fault["last_step"] == 4
-    last_progress = max(record["time"] for record in _attempt_reports(run_dir, 0) if record["step"] == 4)
+    last_progress = max(
+        record["time"] for record in attempt_reports(run_dir, 0).values() if record["step"] == 4
+    )
     delay = fault["time"] - last_progress
     print(f"silent communication detected {delay:.1f} s after the last step (timeout {flat_timeout} s)")
     # The detector fires within two readings of the timeout, counted from the last byte the ranks moved.
@@ -517,10 +517,6 @@ def _processes_of(run_dir):
         except OSError:
             continue
     return found
-
-
-def _attempt_reports(run_dir, attempt):
-    return [json.loads(path.read_text()) for path in run_dir.glob(f"nodes/*/attempt-{attempt}/rank-*.json")]
 
 
 def test_nan_is_seen_by_every_rank_at_its_step_and_skipped(tiny_corpus, tmp_path):
