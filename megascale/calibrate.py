@@ -141,7 +141,7 @@ def host_seconds(
     rest of the model (embedding, final norm, output layer) adds: of a forward + backward ("block",
     "model") and of the step's update ("update_block", "update_model"); with `sized`, also a forward +
     backward's slope per block at SIZED_SHAPE ("sized_block"), compute included."""
-    probes = []
+    probes: list[Callable[[], object]] = []
     kinds = [(_fwd_bwd, TINY_SHAPE), (_update, TINY_SHAPE)] + ([(_fwd_bwd, SIZED_SHAPE)] if sized else [])
     for probe, shape in kinds:
         for layers in PROBE_LAYERS:
@@ -151,7 +151,7 @@ def host_seconds(
             probes.append(probe(model, shape))
     seconds = typical_seconds_each(probes, calls)
     result = {}
-    for prefix, shallow, deep in (("", *seconds[0:2]), ("update_", *seconds[2:4])):
+    for prefix, shallow, deep in (("", seconds[0], seconds[1]), ("update_", seconds[2], seconds[3])):
         result[f"{prefix}block"] = _per_block(shallow, deep)
         result[f"{prefix}model"] = max(0.0, shallow - result[f"{prefix}block"] * PROBE_LAYERS[0])
     if sized:
@@ -211,7 +211,7 @@ def small_pages() -> Iterator[None]:
     where prctl has no such option: not Linux, or a kernel before 3.15)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
     previous = prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) if prctl else -1
-    if previous < 0 or prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+    if not prctl or previous < 0 or prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
         yield
         return
     try:
@@ -313,7 +313,7 @@ def measure_round(threads: int) -> dict[str, float]:
     """One round of measurement: a fresh process takes the single-process figures, then a pair of fresh
     processes the two-process ones (rank 0's); and the share of the CPU time the hypervisor took."""
     before = cpu_times()
-    measured = {}
+    measured: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as workdir:
         for ranks in (["local"], (0, 1)):
             run_ranks(

@@ -13,8 +13,9 @@ import difflib
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 from megascale.errors import ConfigError
 
@@ -75,7 +76,7 @@ _HOLDS = {
 
 def check_fields(obj: Any, prefix: str = "") -> None:
     """Check every leaf's type, choices and range (an int given for a float field becomes a float)."""
-    hints = _hints(type(obj))
+    hints = _hints(cast(type, type(obj)))  # cast: mypy does not take type[Any] as Hashable
     for f in dataclasses.fields(obj):
         key, value = prefix + f.name, getattr(obj, f.name)
         if _is_section(hints[f.name]):
@@ -147,7 +148,7 @@ def set_key(root: Any, key: str, value: Any, from_text: bool) -> None:
     names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
     if parts[-1] not in names:
         _unknown_key(type(root), key)
-    tp = _hints(type(obj))[parts[-1]]
+    tp = _hints(cast(type, type(obj)))[parts[-1]]
     if _is_section(tp):
         raise ConfigError(
             f"config: '{key}' is a section; set one of its keys, e.g. "
@@ -172,7 +173,7 @@ def to_toml(cfg: Any) -> str:
     lines: list[str] = []
 
     def emit(obj: Any, prefix: str) -> None:
-        hints = _hints(type(obj))
+        hints = _hints(cast(type, type(obj)))
         scalars = [f for f in dataclasses.fields(obj) if not _is_section(hints[f.name])]
         if prefix and scalars:
             lines.append(f"\n[{prefix}]")
@@ -225,7 +226,7 @@ def render_reference(root: type, preamble: list[str]) -> str:
             help_text = meta["help"] + (f" ({'; '.join(extra)})" if extra else "")
             default = "unset" if f.default is None else f"`{f.default!r}`".replace("'", '"')
             if f.default is dataclasses.MISSING:
-                default = f"`{f.default_factory()!r}`"
+                default = f"`{cast(Callable[[], Any], f.default_factory)()!r}`"
             out.append(f"| `{f.name}` | {type_name} | {default} | {help_text} |")
         out.append("")
         for sub, sub_prefix in subsections:

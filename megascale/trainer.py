@@ -3,7 +3,8 @@
 Everything that must survive a restart (model and optimizer, LR schedule, data position, RNG, step) is
 `Stateful` and goes through the one Checkpointer, so a run killed at any point and started again with the
 same command continues with bit-identical losses. The step itself (`train_step`) is one short function:
-gradient accumulation over micro-batches, global-norm clipping, optimizer and scheduler.
+the step's micro-batches through the parallelised model's step protocol (parallel/step.py, the same calls
+in every layout), global-norm clipping, optimizer and scheduler.
 """
 
 from __future__ import annotations
@@ -16,23 +17,23 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints, load_checkpoint, read_manifest
-from megascale.checkpoint.ledger import LEDGER, check_not_lost, record_start
-from megascale.checkpoint.resume import changes_since, check_model_matches, check_resumable
+from megascale.checkpoint.checkpointer import Checkpointer
+from megascale.checkpoint.ledger import LEDGER
+from megascale.checkpoint.resume import check_before_start
 from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
 from megascale.config import JobConfig, to_dict
 from megascale.data import build_dataloaders
 from megascale.data.dataset import IGNORE_INDEX
-from megascale.errors import CheckpointError, ConfigError, MegascaleError, NonFiniteError
+from megascale.errors import ConfigError, MegascaleError, NonFiniteError
 from megascale.gc_control import AlignedGC
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
@@ -41,13 +42,10 @@ from megascale.observe.metrics import MetricsWriter
 from megascale.observe.progress import TrainingProgress, log_to_files, make_console, setup_logging
 from megascale.observe.timeline import Timeline
 from megascale.optim import apply_settings, build_lr_scheduler, build_optimizer
-from megascale.optim.clip import clip_by_global_norm
-from megascale.parallel.data import sync_gradients
-from megascale.parallel.data_overlap import issue_first_all_gathers
 from megascale.parallel.dims import ParallelDims
-from megascale.parallel.distributed import env_world_size, init_distributed, pick_device
+from megascale.parallel.distributed import env_world_size, join_job, pick_device
 from megascale.parallel.parallelize import parallelize
-from megascale.parallel.tensor import full_tensor, loss_context
+from megascale.parallel.step import ParallelModel
 from megascale.resilience.client import ProgressReporter
 from megascale.resilience.inject import FaultInjector
 
@@ -82,12 +80,6 @@ def prepare_run_dir(path: str) -> Path:
             f"choose another with --training.run_dir=DIR"
         ) from None
     return run_dir
-
-
-def load_model_weights(checkpoint: str, model: nn.Module | list[nn.Module]) -> None:
-    """Load only the model entry of a checkpoint (no optimizer, schedule or data position); the caller has
-    checked it was written for this model's shape (`check_model_matches`)."""
-    load_checkpoint(checkpoint, {"model": ModelState(model)})
 
 
 class Trainer(Stateful):
@@ -126,15 +118,7 @@ class Trainer(Stateful):
         self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.run_dir = prepare_run_dir(training.run_dir)
         self.checkpoint_root = checkpoint_root = cfg.checkpoint.location or str(self.run_dir / "checkpoints")
-        # A checkpoint of another model is refused before anything is written or any process started.
-        committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
-        self.init_from = init_from = (
-            str(Path(cfg.checkpoint.init_from).expanduser()) if cfg.checkpoint.init_from else None
-        )
-        if committed:
-            check_resumable(committed[-1][1], read_manifest(committed[-1][1]), cfg)
-        elif init_from is not None:
-            check_model_matches(init_from, read_manifest(init_from), cfg.model)
+        check_before_start(cfg, checkpoint_root)  # another model's checkpoint costs no process
         setup_logging(self.run_dir, self.console, debug, rank=self.rank)
         self._logging = True
 
@@ -144,19 +128,17 @@ class Trainer(Stateful):
         if training.threads is not None:
             torch.set_num_threads(training.threads)
         self.device = pick_device(training.device)
-        init_distributed(self.device, cfg.parallel.timeout_s, store=cfg.parallel.store)
-        self.mesh = dims.build_mesh(self.device.type, cfg.parallel.timeout_s) if dims.world_size > 1 else None
+        join_job(self.device, dims, cfg.parallel)
         self.checkpointer = Checkpointer(
             self.checkpoint_root,
             keep=cfg.checkpoint.keep,
             async_save=cfg.checkpoint.async_save,
-            process_group=dims.checkpoint_group() if self.mesh is not None else None,
+            process_group=dims.checkpoint_group() if dims.world_size > 1 else None,
             ledger=self.run_dir / LEDGER,
         )
-        self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
         self.grad_accum_steps = training.global_batch_size // dims.dp // training.micro_batch_size
         self.tokens_per_step = training.global_batch_size * cfg.data.seq_len
-        self.dp_rank = dims.dp_rank(self.mesh) if self.mesh is not None else 0
+        self.dp_rank = dims.dp_rank()
 
     def _build_data(self) -> None:
         cfg, training, dims = self.cfg, self.cfg.training, self.parallel_dims
@@ -183,21 +165,18 @@ class Trainer(Stateful):
         cfg, training, dims = self.cfg, self.cfg.training, self.parallel_dims
         self.injector = FaultInjector(cfg.resilience.inject, self.rank)
         self.reporter = ProgressReporter(self.rank)
-        self._loss_scale = 1.0
         self._last_nonfinite_step: int | None = None
         torch.manual_seed(training.seed)
-        self.parallel_model = parallelize(
+        self.model: ParallelModel = parallelize(
             Transformer(cfg.model).to(self.device),
             dims,
-            self.mesh,
             cfg.parallel,
             device=self.device,
             microbatches=self.grad_accum_steps,
-            loss_fn=self._pipeline_loss,
+            autocast_dtype=torch.bfloat16 if training.dtype == "bfloat16" else None,
             compile_blocks=training.compile,
         )
-        self.model_parts = self.parallel_model.parts
-        self.optimizers = [build_optimizer(part, cfg.optim) for part in self.model_parts]
+        self.optimizers = [build_optimizer(part, cfg.optim) for part in self.model.parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.optim, training.steps) for opt in self.optimizers]
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         log.info(
@@ -211,53 +190,19 @@ class Trainer(Stateful):
         )
 
     def _resume(self) -> None:
-        """Resume from the newest verified checkpoint (a snapshot a crashed predecessor left in memory is
-        persisted first), else start from checkpoint.init_from's weights or from scratch."""
-        cfg, dims = self.cfg, self.parallel_dims
-        checkpoint_root, init_from = self.checkpoint_root, self.init_from
+        """From the newest verified checkpoint, else from checkpoint.init_from's weights or from scratch."""
         self.step = 0
         self._stop_signal: int | None = None  # asked of this process
         self._stop_agreed = False  # decided by all ranks together
-        # What a crashed predecessor left in memory is persisted first, so it can be resumed from.
-        self.checkpointer.recover_staged(self.checkpoint_state())
-        committed = list_checkpoints(checkpoint_root) if cfg.checkpoint.resume else []
-        resume_from = self.checkpointer.latest_verified() if committed else None
-        if committed and resume_from is None:
-            raise CheckpointError(
-                f"checkpoint: every checkpoint under {checkpoint_root} failed verification (see the warnings "
-                "above); move them away, or start afresh with --checkpoint.resume=false"
-            )
-        if resume_from is None and cfg.checkpoint.enabled:
-            if cfg.checkpoint.resume:
-                check_not_lost(self.run_dir / LEDGER, checkpoint_root)
-            if self.rank == 0:
-                record_start(self.run_dir / LEDGER, checkpoint_root)
-        if resume_from is not None:
-            check_resumable(resume_from, read_manifest(resume_from), cfg)
-            replicas = dims.replica_group(self.mesh) if self.mesh is not None else None
-            descriptor = self.checkpointer.load(resume_from, self.checkpoint_state(), replicas=replicas)
+        dims = self.parallel_dims
+        state = self.checkpoint_state()
+        layout, replicas = dims.describe(), dims.replica_group()
+        if self.checkpointer.resume(state, self.cfg, layout=layout, replicas=replicas) is not None:
             for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
-                apply_settings(optimizer, scheduler, cfg.optim)  # the config's, not the checkpoint's
-            saved_layout = descriptor.get("layout", "1 process")
-            log.info(
-                "resumed from %s at step %d%s",
-                resume_from,
-                self.step,
-                f" (saved as {saved_layout}, now {dims.describe()})"
-                if saved_layout != dims.describe()
-                else "",
-            )
-            changes = changes_since(descriptor, cfg)
-            if changes:
-                log.warning("resumed with settings changed since step %d: %s", self.step, "; ".join(changes))
-            if init_from is not None:
-                log.info("checkpoint.init_from is read only when a run starts: this one resumes")
-        elif init_from is not None:
-            load_model_weights(init_from, self.model_parts)
-            log.info("initialised the model from %s", init_from)
+                apply_settings(optimizer, scheduler, self.cfg.optim)  # the config's, not the checkpoint's
         self.resumed_from = self.step  # reported to the driver, which logs where a restart took up
-        if cfg.checkpoint.enabled:
-            self.checkpointer.prepare(self.checkpoint_state())
+        if self.cfg.checkpoint.enabled:
+            self.checkpointer.prepare(state)
 
     def _build_instruments(self) -> None:
         cfg, dims = self.cfg, self.parallel_dims
@@ -265,8 +210,8 @@ class Trainer(Stateful):
             cfg,
             self.run_dir,
             rank=self.rank,
-            coordinates=dims.coordinates(self.mesh),
-            stage_of_rank=dims.stage_of_ranks(self.mesh),
+            coordinates=dims.coordinates(),
+            stage_of_rank=dims.stage_of_ranks(),
             device=self.device,
             start_step=self.step,
             world_size=dims.world_size,
@@ -275,19 +220,12 @@ class Trainer(Stateful):
             stretch=lambda compute_s, clock: self.injector.stretch(self.step + 1, compute_s, clock),
         )
         self._closed = False
-        self.instruments.time_pipeline_chunks(self.parallel_model.stages)
+        self.model.time_phases(self.instruments.phase)
         self._rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
 
     @property
     def timeline(self) -> Timeline:
         return self.instruments.timeline
-
-    @property
-    def model(self) -> nn.Module:
-        """The whole model, when this rank holds it in one part (no pipeline parallelism)."""
-        if len(self.model_parts) != 1 or self.parallel_dims.pp > 1:
-            raise AttributeError("Trainer.model: this rank holds pipeline stages; use model_parts")
-        return self.model_parts[0]
 
     # -- Stateful ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -300,8 +238,8 @@ class Trainer(Stateful):
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             "trainer": self,
-            "model": ModelState(self.model_parts),
-            "optimizer": OptimizerState(self.model_parts, self.optimizers),
+            "model": ModelState(self.model.parts),
+            "optimizer": OptimizerState(self.model.parts, self.optimizers),
             "lr_scheduler": SchedulersState(self.lr_schedulers),
             "data": self.train_loader,
         }
@@ -425,11 +363,7 @@ class Trainer(Stateful):
         started_ns = time.perf_counter_ns()
         self.timeline.begin_step()
         self.injector.before_step(self.step + 1)
-        self._loss_scale = self.injector.loss_scale(self.step + 1)
-        for part in self.model_parts:
-            part.train()
-        if self.cfg.parallel.overlap.dp:
-            issue_first_all_gathers(self.model_parts)  # its all-gather overlaps the data loading
+        self.model.begin_step()  # with DP overlap, the first all-gathers overlap the data loading
         data_wait_s = 0.0
         batches = []
         for index in range(self.grad_accum_steps):
@@ -438,22 +372,9 @@ class Trainer(Stateful):
                 inputs, labels = next(self.train_loader)
             data_wait_s += time.perf_counter() - fetch_started
             batches.append((inputs.to(self.device), labels.to(self.device)))
-        with loss_context(self.parallel_dims.tp > 1):
-            if self.parallel_model.schedule is not None:
-                local_loss = self._pipeline_step(batches)
-            else:
-                local_loss = torch.zeros((), device=self.device)
-                for index, (inputs, labels) in enumerate(batches):
-                    if self.cfg.parallel.zero_stage == 1:  # one reduce-scatter a step, at the last
-                        sync_gradients(self.model_parts, index == len(batches) - 1)
-                    with self.instruments.phase("forward", micro_batch=index):
-                        loss = self.loss(inputs, labels) * self._loss_scale / self.grad_accum_steps
-                    with self.instruments.phase("backward", micro_batch=index):
-                        loss.backward()
-                    local_loss += full_tensor(loss.detach())
+        local_loss = self.model.forward_backward(batches, self._loss_fn())
         with self.instruments.phase("clip"):
-            self.parallel_model.wait_for_gradients()
-            grad_norm = self.clip_gradients()
+            grad_norm = self.model.clip_gradients(self.cfg.optim.grad_clip)
         lr = self.optimizers[0].param_groups[0]["lr"]
         finite = bool(torch.isfinite(grad_norm))  # the norm is global: every rank decides alike
         if not finite:
@@ -496,29 +417,12 @@ class Trainer(Stateful):
             grad_norm.item(),
         )
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(logits, labels) * self._loss_scale
-
-    def _pipeline_step(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]], backward: bool = True
-    ) -> torch.Tensor:
-        """All micro-batches through the pipeline schedule, forward and (unless `backward` is False)
-        backward; the mean loss on the last stage, 0 elsewhere. Only the first stage is given the inputs,
-        only the last the labels."""
-        pipeline = self.parallel_model
-        inputs, labels = (torch.cat(column) for column in zip(*batches))
-        losses: list[torch.Tensor] = []
-        run = pipeline.schedule.step if backward else pipeline.schedule.eval
-        with self._autocast():
-            run(
-                *((inputs,) if pipeline.first_stage else ()),
-                target=labels if pipeline.last_stage else None,
-                losses=losses if pipeline.last_stage else None,
-                return_outputs=False,
-            )
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack([full_tensor(loss.detach()) for loss in losses]).mean()
+    def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The step's loss: next-token cross-entropy, scaled when an injected fault asks for it."""
+        scale = self.injector.loss_scale(self.step + 1)
+        if scale == 1.0:
+            return next_token_loss
+        return lambda logits, labels: next_token_loss(logits, labels) * scale
 
     def _job_mean(
         self, local: torch.Tensor, agree_on_stop: bool = False, compute_s: float | None = None
@@ -531,13 +435,13 @@ class Trainer(Stateful):
         is acted on a step later by all of them, never by that rank alone. `compute_s`, this rank's compute
         time, travels in it too, in this rank's own slot: `_rank_compute_s` gets every rank's."""
         asked = self._stop_signal is not None
-        if self.mesh is None:
+        if self.parallel_dims.world_size == 1:
             if agree_on_stop:
                 self._stop_agreed = asked
             if compute_s is not None:
                 self._rank_compute_s = [compute_s]
             return local
-        holds = self.parallel_model.last_stage and self.mesh["tp"].get_local_rank() == 0
+        holds = self.model.last_stage and self.parallel_dims.local_rank("tp") == 0
         share = (
             local.detach().float() / self.parallel_dims.dp if holds else torch.zeros((), device=self.device)
         )
@@ -553,44 +457,24 @@ class Trainer(Stateful):
             self._rank_compute_s = packed[2:].tolist()
         return packed[0]
 
-    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of the whole model (no pipeline), in float32."""
-        with self._autocast():
-            logits = self.model(inputs)
-        return next_token_loss(logits, labels)
-
-    def clip_gradients(self) -> torch.Tensor:
-        """Global gradient L2 norm over every shard (TP, FSDP) and stage (PP), clipping to optim.grad_clip
-        when set: a sharded run clips exactly as one process would."""
-        stages = self.mesh["pp"].get_group() if self.parallel_dims.pp > 1 else None
-        params = (p for part in self.model_parts for p in part.parameters())
-        return clip_by_global_norm(params, self.cfg.optim.grad_clip, stages)
-
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss over the first `training.val_sequences` validation sequences, the same ones in
         every layout: each data-parallel rank sums the token losses of its share (padded to whole
         micro-batches, or to whole steps of the pipeline schedule), and one all-reduce adds the shares."""
-        for part in self.model_parts:
-            part.eval()
-        pipelined = self.parallel_model.schedule is not None
-        unit = self.grad_accum_steps if pipelined else 1
+        self.model.train(False)
+        unit = self.model.micro_batches_per_evaluation
         sequences, dp = self.cfg.training.val_sequences, self.parallel_dims.dp
         batches = [
             (inputs.to(self.device), labels.to(self.device))
             for inputs, labels in self.val_loader.share(sequences, self.dp_rank, dp, unit)
         ]
         loss_sum = torch.zeros((), device=self.device)
-        with loss_context(self.parallel_dims.tp > 1):
-            for start in range(0, len(batches), unit):
-                group = batches[start : start + unit]
-                slots = sum(labels.numel() for _, labels in group)  # each loss is a sum over slots
-                if pipelined:
-                    loss_sum += self._pipeline_step(group, backward=False) * slots
-                else:
-                    loss_sum += full_tensor(self.loss(*group[0])) * slots
-        for part in self.model_parts:
-            part.train()
+        for start in range(0, len(batches), unit):
+            group = batches[start : start + unit]
+            slots = sum(labels.numel() for _, labels in group)  # each loss is a sum over slots
+            loss_sum += self.model.evaluate(group, next_token_loss) * slots
+        self.model.train()
         tokens = sequences * self.cfg.data.seq_len
         return self._job_mean(loss_sum * dp / tokens).item()
 
@@ -604,11 +488,6 @@ class Trainer(Stateful):
         return location
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     @contextlib.contextmanager
     def _stop_on_signals(self):
         """SIGINT/SIGTERM finish the current step, save a checkpoint and end the loop (exit status 0).

@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
+from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from megascale.checkpoint.ledger import record_commit
+from megascale.checkpoint.ledger import check_not_lost, record_commit, record_start
 from megascale.checkpoint.manifest import (
     MANIFEST,
     commit,
@@ -48,13 +49,17 @@ from megascale.checkpoint.manifest import (
     verify,
 )
 from megascale.checkpoint.persist import PERSISTER, mark_ready, node_name, pending, persist, staging_root
+from megascale.checkpoint.resume import changes_since, check_resumable
 from megascale.checkpoint.snapshot import SnapshotBuffer, flatten, rebuild, split_leaves
+from megascale.checkpoint.stateful import ModelState
+from megascale.config import JobConfig
 from megascale.errors import CheckpointError
 
 __all__ = [
     "Checkpointer",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model_weights",
     "read_manifest",
     "verify",
     "write_checkpoint",
@@ -139,14 +144,21 @@ def load_checkpoint(
     return _load(location, state, replicas)[0]
 
 
+def load_model_weights(checkpoint: str, model: nn.Module | list[nn.Module]) -> None:
+    """Load only the model entry of a checkpoint (no optimizer, schedule or data position); the caller has
+    checked it was written for this model's shape (`check_model_matches`)."""
+    load_checkpoint(checkpoint, {"model": ModelState(model)})
+
+
 def _load(
     location: str, state: dict[str, Any], replicas: dist.ProcessGroup | None
 ) -> tuple[dict[str, Any], int]:
     """The manifest, and the bytes this rank read from storage."""
     manifest = read_manifest(location)
     reader = _reader(location)
-    broadcast = replicas is not None and dist.get_world_size(replicas) > 1
-    source = dist.get_global_rank(replicas, 0) if broadcast else None
+    group = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
+    broadcast = group is not None
+    source = dist.get_global_rank(group, 0) if group is not None else None
     try:
         # DCP's planning is collective over every rank; a rank with nothing to load reads nothing.
         mine = state if not broadcast or dist.get_rank() == source else {}
@@ -154,8 +166,8 @@ def _load(
     except Exception as err:  # DCP wraps storage and shape problems in several exception types
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"checkpoint: cannot load {location}: {first_line}") from err
-    if broadcast:
-        _broadcast_state(state, source, replicas)
+    if group is not None and source is not None:
+        _broadcast_state(state, source, group)
     return manifest, reader.bytes_read
 
 
@@ -431,6 +443,58 @@ class Checkpointer:
             else "",
         )
         return manifest
+
+    # -- resuming -------------------------------------------------------------------------------------
+    def resume(
+        self, state: dict[str, Any], cfg: JobConfig, *, layout: str, replicas: dist.ProcessGroup | None = None
+    ) -> dict[str, Any] | None:
+        """Load the newest verified checkpoint into `state` (a snapshot a crashed predecessor left in memory
+        is persisted first), or, when the run starts afresh, `checkpoint.init_from`'s model weights into
+        `state["model"]`. Returns the resumed checkpoint's descriptor; None for a start from step 0.
+
+        Refused: checkpoints that all fail verification, and (unless `checkpoint.resume` is off) a run
+        whose ledger shows commits that are all gone. `layout` (this job's, in words) is compared with the
+        checkpoint's in the log line, which also says what the config changed since."""
+        self.recover_staged(state)
+        committed = list_checkpoints(self.root) if cfg.checkpoint.resume else []
+        location = self.latest_verified() if committed else None
+        if committed and location is None:
+            raise CheckpointError(
+                f"checkpoint: every checkpoint under {self.root} failed verification (see the warnings "
+                "above); move them away, or start afresh with --checkpoint.resume=false"
+            )
+        if location is None:
+            self._start_afresh(state, cfg)
+            return None
+        check_resumable(location, read_manifest(location), cfg)
+        descriptor = self.load(location, state, replicas=replicas)
+        saved_layout = descriptor.get("layout", "1 process")
+        log.info(
+            "resumed from %s at step %d%s",
+            location,
+            descriptor["step"],
+            f" (saved as {saved_layout}, now {layout})" if saved_layout != layout else "",
+        )
+        changes = changes_since(descriptor, cfg)
+        if changes:
+            step = descriptor["step"]
+            log.warning("resumed with settings changed since step %d: %s", step, "; ".join(changes))
+        if cfg.checkpoint.init_from:
+            log.info("checkpoint.init_from is read only when a run starts: this one resumes")
+        return descriptor
+
+    def _start_afresh(self, state: dict[str, Any], cfg: JobConfig) -> None:
+        """Step 0: refused if the ledger shows this run's checkpoints were lost, recorded in it otherwise;
+        the model from `checkpoint.init_from` when set."""
+        if cfg.checkpoint.enabled and self.ledger is not None:
+            if cfg.checkpoint.resume:
+                check_not_lost(self.ledger, self.root)
+            if _is_main():
+                record_start(self.ledger, self.root)
+        if cfg.checkpoint.init_from:
+            init_from = str(Path(cfg.checkpoint.init_from).expanduser())
+            load_checkpoint(init_from, {"model": state["model"]})
+            log.info("initialised the model from %s", init_from)
 
     def _barrier(self) -> None:
         if _distributed():

@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from megascale.checkpoint.manifest import list_checkpoints, read_manifest
 from megascale.config import JobConfig, flatten_keys, to_dict
 from megascale.errors import CheckpointError, ConfigError
 
@@ -33,6 +34,17 @@ REPORTED_CHANGES = (
     "data.tokenizer",
     "data.seq_len",
 )
+
+
+def check_before_start(cfg: JobConfig, root: str) -> None:
+    """Before any process group starts or any file is written: the newest checkpoint under `root` (when
+    the run resumes) or `checkpoint.init_from` (when it starts afresh) fits this config."""
+    committed = list_checkpoints(root) if cfg.checkpoint.resume else []
+    if committed:
+        check_resumable(committed[-1][1], read_manifest(committed[-1][1]), cfg)
+    elif cfg.checkpoint.init_from:
+        init_from = str(Path(cfg.checkpoint.init_from).expanduser())
+        check_model_matches(init_from, read_manifest(init_from), cfg.model)
 
 
 def check_model_matches(checkpoint: str, descriptor: dict[str, Any], model_cfg: Any) -> None:

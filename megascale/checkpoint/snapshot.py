@@ -115,7 +115,7 @@ class SnapshotBuffer:
             view = self._view(offsets[path], local_shard(tensor))
             view.copy_(local_shard(tensor))
             views[path] = sharded_like(view, tensor)
-        record = {
+        record: dict[str, Any] = {
             "meta": meta,
             "layout": [_signature(path, tensor) for path, tensor in tensors.items()],
             "objects": pickle.dumps(objects),

@@ -11,6 +11,7 @@ model and the optimizer are separate entries so that weights alone can be loaded
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class OptimizerState(Stateful):
 class SchedulersState(Stateful):
     """LR schedulers that step in lockstep (one per optimizer): one is saved, every one is restored."""
 
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]):
+    def __init__(self, schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler]):
         self.schedulers = schedulers
 
     def state_dict(self) -> dict[str, Any]:

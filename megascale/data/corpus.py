@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megascale.errors import DataError
@@ -70,7 +70,7 @@ class Corpus:
     identity: dict
     num_documents: int
 
-    def texts(self, order: Sequence[int]) -> Iterator[str | None]:
+    def texts(self, order: Iterable[int]) -> Iterator[str | None]:
         """Each document's text in `order`; None for a file that is binary or not UTF-8 (skipped)."""
         raise NotImplementedError
 
@@ -92,7 +92,7 @@ class FileCorpus(Corpus):
             listing.update(f"{relative}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         self.identity = {"kind": kind, "root": str(root.resolve()), "files": listing.hexdigest()}
 
-    def texts(self, order: Sequence[int]) -> Iterator[str | None]:
+    def texts(self, order: Iterable[int]) -> Iterator[str | None]:
         for index in order:
             yield decode_text((self.root / self.relative_paths[index]).read_bytes())
 
@@ -123,7 +123,7 @@ class JsonlCorpus(Corpus):
             "field": text_field,
         }
 
-    def texts(self, order: Sequence[int]) -> Iterator[str | None]:
+    def texts(self, order: Iterable[int]) -> Iterator[str | None]:
         with open(self.path, "rb") as file:
             for index in order:
                 file.seek(self.line_offsets[index])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,13 +113,13 @@ class MegatronCorpus(Corpus):
             "files": [[s.st_size, s.st_mtime_ns] for s in stats],
         }
 
-    def texts(self, order: Sequence[int]) -> Iterator[str | None]:
+    def texts(self, order: Iterable[int]) -> Iterator[str | None]:
         raise DataError(
             f"data.source = {self.location!r} is already tokenized; it cannot train a BPE "
             "tokenizer: set --data.tokenizer to the tokenizer.json it was made with"
         )
 
-    def token_documents(self, order: Sequence[int], vocab_size: int, eos_id: int) -> Iterator[np.ndarray]:
+    def token_documents(self, order: Iterable[int], vocab_size: int, eos_id: int) -> Iterator[np.ndarray]:
         """Each document's ids in `order`, without a trailing EOS (the shard writer adds one, and
         Megatron's --append-eod may already have)."""
         tokens = np.memmap(self.bin_path, dtype=self.index.dtype, mode="r")

@@ -244,16 +244,14 @@ class RingWriter:
             self.waiting_on = taker
             connection.settimeout(POLL_S)
             while self.acknowledged[taker] < count:
-                received = _receive(
-                    connection,
-                    4096,
-                    self.stop,
-                    deadline,
-                    lambda taker=taker: DataError(
+
+                def timed_out(taker: int = taker) -> DataError:
+                    return DataError(
                         f"data: reader rank {self.group.rank} waited {self.wait_timeout_s:.0f} s for rank "
                         f"{taker} to take its shared batches; that rank is hung or far behind (see its log)"
-                    ),
-                )
+                    )
+
+                received = _receive(connection, 4096, self.stop, deadline, timed_out)
                 if not received:
                     raise self._lost(taker)
                 self.acknowledged[taker] += len(received)

@@ -142,6 +142,7 @@ def _prepare(
 ) -> None:
     """The thread: produce items from `position` on until stopped or an error was handed over."""
     while not stop.is_set():
+        item: tuple[int, object, Exception | None]
         try:
             item = (position, produce(position), None)
         except Exception as error:  # noqa: BLE001 (handed to the taker, raised in its thread)

@@ -182,6 +182,7 @@ def _build(cfg: DataConfig, corpus: Corpus, target: Path, key: str, progress: bo
                 else:
                     writer.add_document(ids)
                 if display and (done % ENCODE_BATCH_DOCUMENTS == 0 or done == corpus.num_documents):
+                    assert task is not None  # added with the display
                     display.update(task, completed=done)
             writer.close()
         if writer.num_documents == 0:
@@ -266,6 +267,7 @@ def _make_tokenizer(
 
     tokenizer = train_bpe(training_texts(), cfg.bpe_vocab_size)
     if display:
+        assert task is not None  # added with the display
         display.update(task, total=1, completed=1)
     return tokenizer
 
@@ -340,7 +342,7 @@ class ShardWriter:
 
 def _write(path: Path, array: np.ndarray) -> str:
     """Write the array's raw bytes; return their sha256."""
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    data = np.ascontiguousarray(array).data.cast("B")
     with open(path, "wb") as file:
         file.write(data)
     return hashlib.sha256(data).hexdigest()

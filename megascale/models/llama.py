@@ -13,6 +13,7 @@ RoPE uses the rotate-half layout of Hugging Face's Llama, so weights convert wit
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +107,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.activate(self.w1(x), self.w3(x) if self.gated else None))
+        return self.w2(self.activate(self.w1(x), cast(nn.Linear, self.w3)(x) if self.gated else None))
 
     def activate(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The element-wise middle: silu(w1 x) * w3 x, or gelu(w1 x)."""
@@ -132,6 +133,7 @@ class TransformerBlock(nn.Module):
             normed = self.attention_norm(x)
             return x + self.attention(normed, rope) + self.feed_forward(normed)
         h = x + self.attention(self.attention_norm(x), rope)
+        assert self.ffn_norm is not None  # a serial block has its own
         return h + self.feed_forward(self.ffn_norm(h))
 
 

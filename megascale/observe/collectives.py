@@ -65,8 +65,9 @@ FUNCTIONAL = {  # what DTensor calls (the older *_tensor names call these, so th
     "all_to_all_single": "self",
 }
 MAX_PENDING = 10_000
-_UNKNOWN_WORK = ({"kind": "work"}, None, None)  # a wait for a work not issued through a wrapper
-_UNKNOWN_FUNCTIONAL = ({"kind": "functional"}, None, None)
+# A wait for a work not issued through a wrapper.
+_UNKNOWN_WORK: tuple[dict[str, Any], None, None] = ({"kind": "work"}, None, None)
+_UNKNOWN_FUNCTIONAL: tuple[dict[str, Any], None, None] = ({"kind": "functional"}, None, None)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class _Group:
 _active: Timeline | None = None
 _installed = False
 _local = threading.local()
-_pending: dict[int, tuple[dict[str, Any], _Group]] = {}  # id(work or tensor) -> what, until waited for
+# id(work or tensor) -> what (as `_remember` takes it), until waited for
+_pending: dict[int, tuple[dict[str, Any], _Group, tuple[str, int] | None]] = {}
 _groups: dict[Any, _Group] = {}  # by id() of the process group; 0 the default group; a tuple of ranks
 _waiting: dict[int, dict[str, Any]] = {}  # thread id -> the operation it is blocked in now
 
@@ -343,4 +345,4 @@ def _install() -> None:
         setattr(funcol, name, _wrap_functional(name, size_arg, getattr(funcol, name)))
     funcol.wait_tensor = _wrap_functional_wait(funcol.wait_tensor)
     work_class = torch._C._distributed_c10d.Work
-    work_class.wait = _wrap_wait(work_class.wait)
+    work_class.wait = _wrap_wait(work_class.wait)  # type: ignore[method-assign]  # patching torch's C++ class

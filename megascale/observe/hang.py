@@ -65,7 +65,10 @@ class HangWatch(threading.Thread):
         staged.replace(self.path)
 
     def stop(self) -> None:
+        """End the watch; returns once its thread has (it wakes at once), so none outlives the run."""
         self._stopped.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=5.0)
 
 
 def read_dumps(directory: Path) -> dict[int, dict[str, Any]]:

@@ -88,19 +88,6 @@ class Instruments:
             yield
             self._stretch(clock() - started, clock)
 
-    def time_pipeline_chunks(self, stages: list[Any]) -> None:
-        """Each pipeline stage's forward_one_chunk / backward_one_chunk becomes a phase of the timeline."""
-        for stage in stages:
-            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "forward", stage.stage_index)
-            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "backward", stage.stage_index)
-
-    def _timed(self, run_chunk: Callable[..., Any], name: str, chunk: int) -> Callable[..., Any]:
-        def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            with self.phase(name, micro_batch=chunk_id, chunk=chunk):
-                return run_chunk(chunk_id, *args, **kwargs)
-
-        return timed
-
     def record(self, metrics: StepMetrics, step: int) -> dict[str, Any]:
         """The step's scalars for metrics.jsonl and TensorBoard; rank 0's also name the stragglers."""
         tokens_per_s = self.tokens_per_step / metrics.step_time_s

@@ -95,7 +95,7 @@ def calibrate(dtype: str, threads: int, force: bool = False) -> float:
     return tflops
 
 
-def _update_cache(change: Callable[[dict[str, float]], None]) -> None:
+def _update_cache(change: Callable[[dict[str, float]], object]) -> None:
     path = calibration_cache()
     cache = json.loads(path.read_text()) if path.is_file() else {}
     change(cache)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -72,7 +73,7 @@ def log_to_files(line: str) -> None:
     CLI, and the run directory should say how its run ended."""
     for handler in log.handlers:
         if isinstance(handler, logging.FileHandler):
-            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None))
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, line, (), None))
 
 
 def make_console() -> Console:
@@ -106,5 +107,5 @@ class TrainingProgress:
         self._progress.stop()
 
     def update(self, step: int, status: str | None = None) -> None:
-        fields = {"status": status} if status is not None else {}
+        fields: dict[str, Any] = {"status": status} if status is not None else {}
         self._progress.update(self._task, completed=step, **fields)

@@ -175,7 +175,7 @@ def _frame(
 
 
 def _legend(parts: list[str], width: int, entries: list[tuple[str, str]]) -> None:
-    x = width - 12
+    x: float = width - 12
     for label, colour in reversed(entries):
         x -= 6.5 * len(label) + 30
         parts.append(f'<rect x="{x:.0f}" y="4" width="12" height="10" fill="{colour}"/>')

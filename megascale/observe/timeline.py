@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -46,7 +46,7 @@ class _Span:
     def __init__(self, timeline: Timeline, name: str, track: str, args: dict[str, Any]):
         self.timeline, self.name, self.track, self.args = timeline, name, track, args
 
-    def __enter__(self) -> _Span:
+    def __enter__(self) -> Self:
         if self.track == MAIN:
             self.timeline.phase = self.name
             if self.name in COMPUTE:

@@ -50,7 +50,9 @@ def merge_traces(run_dir: Path, session: Path | None = None, out: Path | None = 
     ranks = []
     for path in files:
         rank_events = read_trace(path)
-        labels = next((e["args"] for e in rank_events if e.get("name") == "process_labels"), {})
+        labels: dict[str, Any] = next(
+            (e["args"] for e in rank_events if e.get("name") == "process_labels"), {}
+        )
         coords = labels.get("coords", {})
         rank = int(path.stem.split("-")[1])
         ranks.append(rank)

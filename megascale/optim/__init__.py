@@ -55,7 +55,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler:
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR setting lr = cfg.lr * lr_factor(s) for optimizer step s; call .step() after each step."""
     factor = functools.partial(
         lr_factor,
@@ -68,7 +68,7 @@ def build_lr_scheduler(
 
 
 def apply_settings(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: OptimConfig
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConfig
 ) -> None:
     """Give an optimizer and its schedule the hyper-parameters of `cfg` again after a checkpoint was loaded
     into them: loading restores the saved ones (peak lr, betas, eps, weight decay, LAMB's clamp), and a run

@@ -47,8 +47,10 @@ def clip_by_global_norm(
     if len(groups) <= 1:
         norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
     else:
-        squares = [full_tensor(torch.nn.utils.get_total_norm(group, foreach=True)) ** 2 for group in groups]
-        norm = torch.stack(squares).sum().sqrt()
+        mesh_squares = [
+            full_tensor(torch.nn.utils.get_total_norm(group, foreach=True)) ** 2 for group in groups
+        ]
+        norm = torch.stack(mesh_squares).sum().sqrt()
     if stage_group is not None:
         squares = norm**2
         dist.all_reduce(squares, group=stage_group)

@@ -18,6 +18,7 @@ torch.distributed.checkpoint's get_state_dict/set_state_dict treat LAMB like Ada
 """
 
 from collections.abc import Callable, Iterable
+from typing import cast, overload
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,10 @@ class Lamb(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One LAMB update of every parameter that has a gradient; parameters without one are skipped."""
@@ -86,10 +91,12 @@ class Lamb(torch.optim.Optimizer):
         this rank's shard where `weight` is a DTensor: the arithmetic is elementwise, so it runs on the local
         shards (a DTensor operator costs a dispatch per call, ten per tensor and step)."""
         grad = weight.grad
+        assert grad is not None  # step() updates only the weights with a gradient
         if grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
-        if isinstance(weight, DTensor) and grad.placements != weight.placements:
-            grad = grad.redistribute(weight.device_mesh, weight.placements)
+        # A DTensor's gradient is a DTensor.
+        if isinstance(weight, DTensor) and cast(DTensor, grad).placements != weight.placements:
+            grad = cast(DTensor, grad).redistribute(weight.device_mesh, weight.placements)
         state = self.state[weight]
         if not state:
             # A float32 tensor step, as torch's Adam keeps it, so checkpoints of the two look alike.
@@ -127,9 +134,11 @@ def global_norms(tensors: list[Tensor]) -> Tensor:
         sharded = tuple(dim for dim, placement in enumerate(placements) if not placement.is_replicate())
         alike.setdefault((tensor.device_mesh, sharded), []).append(index)
     for (mesh, sharded), indices in alike.items():
-        squares = torch.stack([torch.linalg.vector_norm(tensors[i].to_local()) ** 2 for i in indices])
+        squares = torch.stack(
+            [torch.linalg.vector_norm(cast(DTensor, tensors[i]).to_local()) ** 2 for i in indices]
+        )
         for dim in sharded:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         for i, norm in zip(indices, squares.sqrt()):
             norms[i] = norm
-    return torch.stack(norms)
+    return torch.stack(cast(list[Tensor], norms))  # every one set above

@@ -10,6 +10,7 @@ picks the units and the policy. Apply it after tensor parallelism and before FSD
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +42,6 @@ def apply_activation_checkpointing(model: nn.Module, *, blocks: str, mode: str) 
     container = model.get_submodule(blocks)
     context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     for name, block in list(container.named_children()):
-        wrapped = checkpoint_wrapper(
-            block, preserve_rng_state=False, **({"context_fn": context_fn} if mode == "selective" else {})
-        )
+        options: dict[str, Any] = {"context_fn": context_fn} if mode == "selective" else {}
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **options)
         container.register_module(name, wrapped)

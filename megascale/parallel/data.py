@@ -17,6 +17,7 @@ MegaScale's overlap of data-parallel communication with compute is data_overlap.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,14 +46,14 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and not last)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     if overlap:
-        prefetch_one_unit_ahead(model, units)
+        prefetch_one_unit_ahead(cast(FSDPModule, model), cast(list[FSDPModule], units))
     if reductions is not None:
         if dp_mesh.ndim != 1:
             raise ValueError("asynchronous gradient reduce-scatters: HSDP's all-reduce reads them at once")
         blocks_params = {id(param) for unit in units for param in unit.parameters()}
         root_params = [param for param in model.parameters() if id(param) not in blocks_params]
         for unit, params in [*((unit, list(unit.parameters())) for unit in units), (model, root_params)]:
-            unit.set_custom_reduce_scatter(AsyncReduceScatter(params, reductions))
+            cast(FSDPModule, unit).set_custom_reduce_scatter(AsyncReduceScatter(params, reductions))
 
 
 def sync_gradients(parts: Sequence[nn.Module], enabled: bool) -> None:

@@ -69,7 +69,7 @@ class AsyncReduceScatter(DefaultAllocMixin, ReduceScatter):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
         if any(param.grad is not None for param in self.params):  # FSDP2 adds the output to them next

@@ -22,14 +22,18 @@ measures the three ways side by side; this class decides the shape and names the
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megascale.config import JobConfig, fail
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend  # the type of init_device_mesh's backend options
 from megascale.errors import ConfigError
 
 # Mesh dimensions outermost first, by parallel.rank_order (named innermost first, like the rank numbering
@@ -40,15 +44,17 @@ MESH_ORDERS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
-    """Degrees of each parallelism; `world_size` is their product."""
+    """Degrees of each parallelism (`world_size` is their product) and, once `build_mesh` has run, the
+    device mesh over them, which every question about this rank's place is answered from."""
 
     pp: int
     dp_replicate: int
     dp_shard: int
     tp: int
     rank_order: str = "tp-dp-pp"
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -223,17 +229,33 @@ class ParallelDims:
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         bound_device = dist.distributed_c10d._get_default_group().bound_device_id
         if barrier_free and bound_device is None:
-            return self._mesh_of_own_groups(device_type, names, shape, timeout)
-        override = None
+            self._mesh = self._mesh_of_own_groups(device_type, names, shape, timeout)
+            return self._mesh
+        override: dict[int | str, str | Backend.Options | tuple[str, Backend.Options]] | None = None
         if timeout is not None and device_type == "cpu":
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in the stubs
             options._timeout = timeout
             override = {name: ("gloo", options) for name in names}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
         if timeout is not None and device_type != "cpu":  # untested: no accelerator here
             for name in names:
                 dist.distributed_c10d._set_pg_timeout(timeout, mesh[name].get_group())
+        self._mesh = mesh
         return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The mesh `build_mesh` built; None in a one-process job, which has none."""
+        if self._mesh is None and self.world_size > 1:
+            raise RuntimeError(f"ParallelDims.mesh: build_mesh has not run for {self.describe()}")
+        return self._mesh
+
+    def sub_mesh(self, name: str) -> DeviceMesh:
+        """One dimension of the mesh ('pp', 'dp_replicate', 'dp_shard' or 'tp'); multi-process jobs only."""
+        mesh = self.mesh
+        if mesh is None:
+            raise RuntimeError(f"ParallelDims.sub_mesh({name!r}): a one-process job has no mesh")
+        return mesh[name]
 
     @staticmethod
     def _mesh_of_own_groups(
@@ -266,36 +288,38 @@ class ParallelDims:
         group with training's (they run concurrently, from another thread). Collective."""
         return dist.new_group(backend="gloo")
 
-    def replica_group(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    def replica_group(self) -> dist.ProcessGroup | None:
         """The ranks holding the same state as this one (its DP replicas), or None without replicas:
         on recovery one of them reads the checkpoint and broadcasts it to the rest."""
-        return mesh["dp_replicate"].get_group() if self.dp_replicate > 1 else None
+        return self.sub_mesh("dp_replicate").get_group() if self.dp_replicate > 1 else None
 
-    def coordinates(self, mesh: DeviceMesh | None) -> dict[str, int]:
+    def local_rank(self, name: str) -> int:
+        """This rank's index along one dimension; 0 in a one-process job."""
+        return self.sub_mesh(name).get_local_rank() if self.mesh is not None else 0
+
+    def coordinates(self) -> dict[str, int]:
         """This rank's place in the layout: pipeline stage, data-parallel rank, tensor-parallel rank."""
-        if mesh is None:
-            return {"pp": 0, "dp": 0, "tp": 0}
-        return {
-            "pp": mesh["pp"].get_local_rank(),
-            "dp": self.dp_rank(mesh),
-            "tp": mesh["tp"].get_local_rank(),
-        }
+        return {"pp": self.local_rank("pp"), "dp": self.dp_rank(), "tp": self.local_rank("tp")}
 
-    def stage_of_ranks(self, mesh: DeviceMesh | None) -> list[int]:
+    def stage_of_ranks(self) -> list[int]:
         """The pipeline stage of every global rank, indexed by rank."""
+        mesh = self.mesh
         if mesh is None:
             return [0]
         stages = [0] * mesh.mesh.numel()
-        pp_dim = mesh.mesh_dim_names.index("pp")
+        pp_dim = list(mesh.mesh_dim_names or ()).index("pp")
         for index, rank in zip(itertools.product(*map(range, mesh.mesh.shape)), mesh.mesh.flatten().tolist()):
             stages[rank] = index[pp_dim]
         return stages
 
-    def dp_rank(self, mesh: DeviceMesh) -> int:
+    def dp_rank(self) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""
-        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
+        return self.local_rank("dp_replicate") * self.dp_shard + self.local_rank("dp_shard")
 
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+    def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP; replicas
         alone (dp_shard = 1) are HSDP with shards of one, which is plain data parallelism."""
+        mesh = self.mesh
+        if mesh is None:
+            raise RuntimeError("ParallelDims.fsdp_mesh: a one-process job has no mesh")
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]

@@ -16,7 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megascale.config import ParallelConfig
 from megascale.errors import ConfigError
+from megascale.parallel.dims import ParallelDims
 
 
 def env_world_size() -> int:
@@ -32,6 +34,7 @@ def pick_device(name: str) -> torch.device:
         if not torch.accelerator.is_available():
             return torch.device("cpu")
         accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None  # there is one: is_available() found it
         return torch.device(accelerator.type, int(os.environ.get("LOCAL_RANK", "0")))
     try:
         return torch.device(name)
@@ -87,6 +90,14 @@ def init_distributed(device: torch.device, timeout_s: float, store: str = "env")
         world_size=env_world_size(),
         timeout=timeout,
     )
+
+
+def join_job(device: torch.device, dims: ParallelDims, par: ParallelConfig) -> None:
+    """This process's part in the job: the default process group and, with more than one process, the
+    layout's mesh (`dims.mesh`), every collective bounded by `parallel.timeout_s`."""
+    init_distributed(device, par.timeout_s, store=par.store)
+    if dims.world_size > 1:
+        dims.build_mesh(device.type, par.timeout_s)
 
 
 def close_distributed() -> None:

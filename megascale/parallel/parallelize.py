@@ -8,14 +8,10 @@ The model code knows none of this.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from megascale.config import ParallelConfig
 from megascale.models import sharding
@@ -24,103 +20,117 @@ from megascale.parallel.data import apply_fsdp
 from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
+from megascale.parallel.step import ParallelModel, PipelinedModel
 from megascale.parallel.tensor import apply_tensor_parallel
-
-
-@dataclass
-class ParallelModel:
-    """This rank's model parts (one per pipeline stage it holds, else the whole model) and their schedule."""
-
-    parts: list[nn.Module]
-    schedule: _PipelineSchedule | None  # None without pipeline parallelism
-    stages: list[PipelineStage]  # the schedule's stages, one per part (none without pipeline parallelism)
-    first_stage: bool  # holds the embedding: feeds the inputs
-    last_stage: bool  # holds the output layer: computes the loss
-    gradient_reductions: GradientReductions | None = None  # asynchronous reduce-scatters (DP overlap, CPU)
-
-    def wait_for_gradients(self) -> None:
-        """Before anything reads the gradients: the reduce-scatters still in flight have finished."""
-        if self.gradient_reductions is not None:
-            self.gradient_reductions.wait()
 
 
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
-    mesh: DeviceMesh | None,
     par: ParallelConfig,
     *,
     device: torch.device,
     microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    autocast_dtype: torch.dtype | None = None,
     compile_blocks: bool = False,
 ) -> ParallelModel:
-    """Collective over the whole mesh: every rank calls it with an identical `model` (same weights)."""
-    parts, schedule, stages, first, last = [model], None, [], True, True
+    """Collective over the whole mesh (`dims.mesh`): every rank calls it with an identical `model` (same
+    weights). The result steps the model in this layout (parallel/step.py)."""
     # Without streams (CPU) FSDP2's reduce-scatters block; made asynchronous here (parallel/data.py), but
     # not under a pipeline schedule: it scales the gradients as soon as FSDP2 has reduced them.
     async_reductions = (
         par.overlap.dp and device.type == "cpu" and dims.dp > 1 and dims.dp_replicate == 1 and dims.pp == 1
     )
     reductions = GradientReductions() if async_reductions else None
-    if dims.pp > 1:
-        num_stages = dims.pp * par.pp_virtual_stages
-        ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=sharding.BLOCKS)
-        stage_ids = stage_ids_of(mesh["pp"].get_local_rank(), dims.pp, par.pp_virtual_stages)
-        parts = [
-            build_stage_module(
-                model,
-                ranges[stage_id],
-                first=stage_id == 0,
-                last=stage_id == num_stages - 1,
-                blocks=sharding.BLOCKS,
-                first_stage_modules=sharding.FIRST_STAGE,
-                last_stage_modules=sharding.LAST_STAGE,
-            )
-            for stage_id in stage_ids
-        ]
-        first, last = 0 in stage_ids, num_stages - 1 in stage_ids
-    for part in parts:
-        if dims.tp > 1:
-            apply_tensor_parallel(
-                part,
-                mesh["tp"],
-                blocks=sharding.BLOCKS,
-                block_plan=sharding.BLOCK_PLAN,
-                top_level_plan=sharding.TOP_LEVEL_PLAN,
-                sequence_parallel=par.sequence_parallel,
-                overlap_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
-            )
-        apply_activation_checkpointing(part, blocks=sharding.BLOCKS, mode=par.activation_checkpoint)
-        if compile_blocks:
-            for block in part.get_submodule(sharding.BLOCKS).children():
-                block.compile()
-        if dims.dp > 1:
-            apply_fsdp(
-                part,
-                dims.fsdp_mesh(mesh),
-                blocks=sharding.BLOCKS,
-                zero_stage=par.zero_stage,
-                overlap=par.overlap.dp,
-                reductions=reductions,
-            )
-    if dims.pp > 1:
-        schedule, stages = build_schedule(
-            parts,
-            stage_ids,
-            num_stages,
-            schedule=par.pp_schedule,
-            microbatches=microbatches,
-            loss_fn=loss_fn,
+    if dims.pp == 1:
+        _shard(model, dims, par, compile_blocks, reductions)
+        return ParallelModel(
+            [model],
             device=device,
-            group=mesh["pp"].get_group(),
-            overlap=par.overlap.pp,
+            autocast_dtype=autocast_dtype,
+            tensor_parallel=dims.tp > 1,
+            gather_early=par.overlap.dp,
+            zero1=par.zero_stage == 1,
+            reductions=reductions,
         )
-    return ParallelModel(
-        parts=parts,
-        schedule=schedule,
-        stages=stages,
-        first_stage=first,
-        last_stage=last,
-        gradient_reductions=reductions,
+    num_stages = dims.pp * par.pp_virtual_stages
+    stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages)
+    parts = _stages(model, stage_ids, num_stages, par)
+    for part in parts:
+        _shard(part, dims, par, compile_blocks, reductions)
+    group = dims.sub_mesh("pp").get_group()
+    schedule = partial(
+        build_schedule,
+        parts,
+        stage_ids,
+        num_stages,
+        schedule=par.pp_schedule,
+        microbatches=microbatches,
+        device=device,
+        group=group,
+        overlap=par.overlap.pp,
     )
+    return PipelinedModel(
+        parts,
+        schedule=schedule,
+        microbatches=microbatches,
+        first_stage=0 in stage_ids,
+        last_stage=num_stages - 1 in stage_ids,
+        device=device,
+        autocast_dtype=autocast_dtype,
+        tensor_parallel=dims.tp > 1,
+        gather_early=par.overlap.dp,
+        zero1=False,  # the schedule syncs FSDP's gradients at each stage's last backward
+        pipeline_group=group,
+    )
+
+
+def _stages(model: nn.Module, stage_ids: list[int], num_stages: int, par: ParallelConfig) -> list[nn.Module]:
+    """This rank's pipeline stages: copies of `model` keeping only their layers."""
+    ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=sharding.BLOCKS)
+    return [
+        build_stage_module(
+            model,
+            ranges[stage_id],
+            first=stage_id == 0,
+            last=stage_id == num_stages - 1,
+            blocks=sharding.BLOCKS,
+            first_stage_modules=sharding.FIRST_STAGE,
+            last_stage_modules=sharding.LAST_STAGE,
+        )
+        for stage_id in stage_ids
+    ]
+
+
+def _shard(
+    part: nn.Module,
+    dims: ParallelDims,
+    par: ParallelConfig,
+    compile_blocks: bool,
+    reductions: GradientReductions | None,
+) -> None:
+    """One model part, in place: tensor + sequence parallelism, activation checkpointing, per-block
+    compilation, FSDP."""
+    if dims.tp > 1:
+        apply_tensor_parallel(
+            part,
+            dims.sub_mesh("tp"),
+            blocks=sharding.BLOCKS,
+            block_plan=sharding.BLOCK_PLAN,
+            top_level_plan=sharding.TOP_LEVEL_PLAN,
+            sequence_parallel=par.sequence_parallel,
+            overlap_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
+        )
+    apply_activation_checkpointing(part, blocks=sharding.BLOCKS, mode=par.activation_checkpoint)
+    if compile_blocks:
+        for block in part.get_submodule(sharding.BLOCKS).children():
+            block.compile()
+    if dims.dp > 1:
+        apply_fsdp(
+            part,
+            dims.fsdp_mesh(),
+            blocks=sharding.BLOCKS,
+            zero_stage=par.zero_stage,
+            overlap=par.overlap.dp,
+            reductions=reductions,
+        )

@@ -19,7 +19,7 @@ they compute the same micro-batches in the same order and give the same losses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -30,6 +30,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
     _PipelineScheduleRuntime,
 )
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 Order = dict[int, list[_Action | None]]  # per pipeline rank, its compute actions by time step
 
@@ -52,7 +53,12 @@ class _Lockstep(PipelineScheduleMulti):
     action does: both forms give the same bits."""
 
     def __init__(self, stages: list[PipelineStage], order: Order, microbatches: int, loss_fn: Callable):
-        super().__init__(stages, microbatches, loss_fn=loss_fn, scale_grads=False)  # scaled in the reduction
+        super().__init__(
+            cast(list[_PipelineStageBase], stages),  # torch's stubs: a list of the base class (invariant)
+            microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,  # scaled in the reduction
+        )
         self.pipeline_order = order
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
@@ -89,7 +95,9 @@ def overlap_schedule(
     """The 1F1B or interleaved-1F1B schedule of this rank's `stages`, with its communication decoupled
     (`overlap`) or in lock-step."""
     if schedule == "interleaved_1f1b":
-        interleaved = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        interleaved = ScheduleInterleaved1F1B(
+            cast(list[_PipelineStageBase], stages), n_microbatches=microbatches, loss_fn=loss_fn
+        )
         if overlap:
             return interleaved  # already on the runtime, receives posted as early as possible
         return _Lockstep(stages, interleaved.pipeline_order, microbatches, loss_fn)

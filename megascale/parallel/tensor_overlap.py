@@ -77,7 +77,10 @@ class _ChunkedMLP(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         w1, w3, w2, *saved = ctx.saved_tensors
         chunks = len(saved) // 3
-        grads = {"w1": torch.zeros_like(w1), "w3": torch.zeros_like(w3) if w3 is not None else None}
+        grads: dict[str, Any] = {
+            "w1": torch.zeros_like(w1),
+            "w3": torch.zeros_like(w3) if w3 is not None else None,
+        }
         grads["w2"] = torch.zeros_like(w2)
         gathers = [all_gather_rows(chunk, ctx.group) for chunk in grad_out.chunk(chunks, dim=1)]
         reduces = []
@@ -126,6 +129,7 @@ class _GatherProject(torch.autograd.Function):
         pieces = local.chunk(chunks, dim=1)
         ctx.sizes = [piece.shape[1] for piece in pieces]
         gathers = [all_gather_rows(piece, group) for piece in pieces]  # all in flight
+        projected: list[list[torch.Tensor]]
         projected, saved = [[] for _ in weights], []
         for full, work in gathers:
             work.wait()
@@ -151,6 +155,7 @@ class _GatherProject(torch.autograd.Function):
                 for weight, weight_grad, rows in zip(weights, weight_grads, grad_rows):
                     weight_grad += _outer(rows[index], full)
                     d_full = rows[index] @ weight if d_full is None else d_full + rows[index] @ weight
+                assert d_full is not None  # there are weights (q, k and v)
                 reduces.append(reduce_scatter_rows(d_full, ctx.group))  # while the next chunk computes
             d_local = torch.cat(_finished(reduces), dim=1)
         return d_local, None, None, *weight_grads
@@ -203,7 +208,7 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _chunked_forward(module: nn.Module, group: ProcessGroup, chunks: int, x: torch.Tensor) -> torch.Tensor:
+def _chunked_forward(module: Any, group: ProcessGroup, chunks: int, x: torch.Tensor) -> torch.Tensor:
     """The MLP module's forward: its input is the residual stream's sequence shard (a DTensor Shard(1)
     from the sequence-parallel norm, or its local tensor); returns the local output shard, as
     `RowwiseParallel` would."""
@@ -220,7 +225,7 @@ def _chunked_forward(module: nn.Module, group: ProcessGroup, chunks: int, x: tor
 
 
 def _chunked_attention_forward(
-    module: nn.Module, group: ProcessGroup, chunks: int, x: torch.Tensor, *args: Any
+    module: Any, group: ProcessGroup, chunks: int, x: torch.Tensor, *args: Any
 ) -> torch.Tensor:
     """An attention module's forward (`wo(mix(wq x, wk x, wv x, ...))`) on the residual stream's sequence
     shard, its projections chunked around the sequence's gather and scatter; the local output shard."""

@@ -15,6 +15,7 @@ servers do (one 200 or 400 Gb/s NIC per GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megascale.errors import ConfigError
 from megascale.observe.peak import PEAK_TFLOPS
@@ -86,7 +87,7 @@ def _peaks(device: str) -> dict[str, float]:
 # - Per-step work over every weight a device holds (zeroing gradient buffers, norms, inf checks, weight
 #   copies): 1.8e-10 s per parameter, 0.5 s for the 175B layout's 2.7B per GPU, fitted once on Table 2's
 #   Megatron-LM rows (the intercept of step time against micro-batches).
-_GPU_CONSTANTS = dict(
+_GPU_CONSTANTS: dict[str, Any] = dict(
     gemm_efficiency=0.72,
     gemm_half_flops=2e9,
     attention_efficiency=0.55,

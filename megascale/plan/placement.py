@@ -58,7 +58,7 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
     nodes, pods = {}, {}
     for kind in ("tp", "dp", "pp"):
         others = [name for name in ("pp", "dp", "tp") if name != kind]
-        groups: dict[tuple[int, int], list[dict[str, int]]] = {}
+        groups: dict[tuple[int, ...], list[dict[str, int]]] = {}
         for where in coordinates:
             groups.setdefault(tuple(where[name] for name in others), []).append(where)
         nodes[kind] = max(len({where["node"] for where in group}) for group in groups.values())

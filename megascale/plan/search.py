@@ -104,6 +104,7 @@ def search(
         elif smallest is None or estimate.memory.total_bytes < smallest.estimate.memory.total_bytes:
             smallest = Plan(layout, estimate)
     if not plans:
+        assert smallest is not None  # every layout (there is one at least) was too big
         memory = smallest.estimate.memory
         state_bytes = memory.total_bytes - memory.activations_bytes
         fix = "use more --devices" if state_bytes > limit_bytes else "use more --devices or a smaller --batch"

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 from megascale.errors import ConfigError
 
@@ -35,6 +36,10 @@ class Fault:
     kind: str
     params: dict[str, float] = field(default_factory=dict)
 
+    @overload
+    def get(self, name: str) -> float | None: ...
+    @overload
+    def get(self, name: str, default: float) -> float: ...
     def get(self, name: str, default: float | None = None) -> float | None:
         return self.params.get(name, default)
 

@@ -188,8 +188,8 @@ def blame(
         mine = [pair for pair in links if node in pair]
         if not mine or not all(pair in bad for pair in mine):
             continue
-        peers = [next(iter(pair - {node})) for pair in mine]
-        peers_fine = all(any(other not in bad for other in links if peer in other) for peer in peers)
+        neighbours = [next(iter(pair - {node})) for pair in mine]
+        peers_fine = all(any(other not in bad for other in links if peer in other) for peer in neighbours)
         if peers_fine:
             blamed[node] = "all-reduce with every neighbour failed: " + "; ".join(
                 f"{next(iter(pair - {node}))}: {bad[pair]}" for pair in mine

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch.distributed as dist
@@ -87,6 +87,8 @@ class RedisStore(dist.Store):
     Keep a reference for as long as a process group uses the store: c10d holds only the C++ side of a
     Python store, and once the Python object is collected its calls fail with "Not implemented"."""
 
+    timeout: timedelta  # Store's property (torch's stubs lack it)
+
     def __init__(self, url: str, prefix: str = "", timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
         self.set_timeout(timeout)
@@ -126,7 +128,8 @@ class RedisStore(dist.Store):
     def set(self, key: str, value: str | bytes) -> None:
         name = self._name(key)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.set(name, value).publish(self._channel(name), b"")
+        pipe.set(name, value)
+        pipe.publish(self._channel(name), b"")
         pipe.execute()
 
     @_network_errors
@@ -134,7 +137,8 @@ class RedisStore(dist.Store):
         """Atomically add `amount` to the integer at `key` (0 if missing); the new value."""
         name = self._name(key)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.incrby(name, amount).publish(self._channel(name), b"")
+        pipe.incrby(name, amount)
+        pipe.publish(self._channel(name), b"")
         try:
             total, _ = pipe.execute()
         except redis.ResponseError as err:
@@ -154,7 +158,8 @@ class RedisStore(dist.Store):
     def append(self, key: str, value: str | bytes) -> None:
         name = self._name(key)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.append(name, value).publish(self._channel(name), b"")
+        pipe.append(name, value)
+        pipe.publish(self._channel(name), b"")
         pipe.execute()
 
     @_network_errors
@@ -177,7 +182,7 @@ class RedisStore(dist.Store):
         deadline = self._deadline(None)
         while (value := self._redis.get(self._name(key))) is None:
             self._wait_until(deadline, [key], None)
-        return value
+        return cast(bytes, value)  # bytes: the client does not decode responses
 
     @_network_errors
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -185,12 +190,12 @@ class RedisStore(dist.Store):
         names = [self._name(key) for key in keys]
         while None in (values := self._redis.mget(names) if names else []):
             self._wait_until(deadline, keys, None)
-        return values
+        return cast(list[bytes], values)
 
     @_network_errors
     def try_get(self, key: str) -> bytes | None:
         """The value at `key`, or None at once if there is none (not in the Store contract)."""
-        return self._redis.get(self._name(key))
+        return cast("bytes | None", self._redis.get(self._name(key)))
 
     @_network_errors
     def check(self, keys: list[str]) -> bool:
@@ -247,10 +252,10 @@ class RedisStore(dist.Store):
                 message = self._next_message(subscriber, deadline, keys, timeout)
                 if message is None or message["type"] != "message":
                     continue
-                name = by_channel.get(message["channel"])
+                announced = by_channel.get(message["channel"])
                 # A message may be stale (left from this connection's earlier use): confirm before trusting.
-                if name in missing and self._redis.exists(name):
-                    missing.discard(name)
+                if announced in missing and self._redis.exists(announced):
+                    missing.discard(announced)
         except BaseException:
             subscriber.close()  # its state is unknown: never reuse it
             raise

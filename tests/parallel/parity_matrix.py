@@ -40,6 +40,7 @@ import torch._inductor.compile_fx  # noqa: F401 (imported before the ranks are f
 import transformers  # again, which costs seconds each)
 
 from megascale import config_space
+from megascale.checkpoint.checkpointer import load_model_weights
 from megascale.config import JobConfig, load_config
 from megascale.config_space import Covering, Row
 from megascale.convert import export_hf, resolve_checkpoint
@@ -47,7 +48,7 @@ from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.metrics import read_metrics
 from megascale.parallel.dims import ParallelDims
-from megascale.trainer import Trainer, load_model_weights
+from megascale.trainer import Trainer
 from tests.parallel.multiprocess import run_ranks
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 10, 5, 8

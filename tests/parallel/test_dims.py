@@ -136,9 +136,9 @@ def _mesh_groups(rank, world_size, rank_order):
     mesh = dims.build_mesh("cpu")
     return (
         mesh["pp"].get_local_rank(),
-        dims.dp_rank(mesh),
+        dims.dp_rank(),
         mesh["tp"].get_local_rank(),
-        dims.fsdp_mesh(mesh).size(),
+        dims.fsdp_mesh().size(),
     )
 
 

@@ -27,10 +27,12 @@ def _record_barriers(barriers: list[int]):
 
 
 def _groups_and_sums(rank, world_size, rank_order):
-    dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2, rank_order=rank_order)
+    torch_dims, dims = (
+        ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2, rank_order=rank_order) for _ in "ab"
+    )
     torch_barriers, own_barriers = [], []
     _record_barriers(torch_barriers)
-    torch_mesh = dims.build_mesh("cpu", timeout_s=30, barrier_free=False)
+    torch_mesh = torch_dims.build_mesh("cpu", timeout_s=30, barrier_free=False)
     _record_barriers(own_barriers)
     own_mesh = dims.build_mesh("cpu", timeout_s=30)
     sums = {}
@@ -46,7 +48,7 @@ def _groups_and_sums(rank, world_size, rank_order):
         "ranks": ranks,
         "mesh_equal": torch.equal(torch_mesh.mesh, own_mesh.mesh),
         "names": own_mesh.mesh_dim_names,
-        "coordinates": (dims.coordinates(torch_mesh), dims.coordinates(own_mesh)),
+        "coordinates": (torch_dims.coordinates(), dims.coordinates()),
         "sums": sums,
         "torch_barriers": torch_barriers,
         "own_barriers": own_barriers,

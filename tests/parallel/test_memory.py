@@ -31,7 +31,7 @@ def measure(rank, world_size, corpus, data_dir, run_dir, layout):
     ]
     trainer = Trainer(load_config(None, args))
     trainer.train_step()  # creates the optimizer state
-    params = [p for part in trainer.model_parts for p in part.parameters()]
+    params = [p for part in trainer.model.parts for p in part.parameters()]
     state = [
         value
         for optimizer in trainer.optimizers

@@ -44,7 +44,7 @@ def second_half(rank, world_size, corpus, data_dir, run_dir, broadcast):
     """Resume by hand (resume=false keeps the trainer from loading on its own), with or without replicas."""
     trainer = trainer_for(corpus, data_dir, run_dir, "--checkpoint.resume=false")
     location = trainer.checkpointer.latest_verified()
-    replicas = trainer.parallel_dims.replica_group(trainer.mesh) if broadcast else None
+    replicas = trainer.parallel_dims.replica_group() if broadcast else None
     trainer.checkpointer.load(location, trainer.checkpoint_state(), replicas=replicas)
     assert trainer.step == SAVE_AT
     trainer.train()

@@ -1,0 +1,98 @@
+"""The parallel section: the 3D layout, its process groups and MegaScale's communication overlap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.options import option, section
+
+
+@dataclass
+class OverlapConfig:
+    """MegaScale's communication overlap (paper §3.2), per parallelism; off runs the plain schedule."""
+
+    dp: bool = option(
+        True,
+        "Data parallelism: each block's parameter all-gather is issued asynchronously one block ahead, in "
+        "forward and in backward, and the step's first all-gather before its batch is fetched.",
+    )
+    tp: bool = option(
+        True,
+        "Tensor parallelism with sequence parallelism: each MLP's and each attention's sequence all-gather "
+        "and reduce-scatter are pipelined with their projection GEMMs over tp_chunks chunks of the "
+        "sequence, forward and backward.",
+    )
+    tp_chunks: int = option(4, "Sequence chunks of the tensor-parallel overlap.", ge=2)
+    pp: bool = option(
+        True,
+        "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "
+        "waited on just before use, every send waited on only at the end of the step; off: each time "
+        "step's sends and receives waited on together.",
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """3D parallelism: data (replicated x sharded), tensor/sequence and pipeline degrees."""
+
+    dp_replicate: int = option(
+        1,
+        "Data-parallel replicas (HSDP's replicate dimension); each holds a full copy of the sharded state.",
+        ge=1,
+    )
+    dp_shard: int = option(
+        -1,
+        "Data-parallel ranks sharding parameters, gradients and optimizer state (FSDP2 / ZeRO); -1 takes "
+        "whatever the world size leaves after pp x dp_replicate x tp.",
+        ge=-1,
+    )
+    tp: int = option(1, "Tensor-parallel degree; keep it within a node (fastest links).", ge=1)
+    pp: int = option(1, "Pipeline-parallel stages.", ge=1)
+    sequence_parallel: bool = option(
+        True, "With tp > 1, also shard norms and the residual stream along the sequence (Megatron SP)."
+    )
+    zero_stage: int = option(
+        3,
+        "1: keep parameters gathered and gradients whole over the step's micro-batches, reduce-scattering "
+        "once at the last (Megatron-LM's distributed optimizer: one all-gather and one reduce-scatter a "
+        "step, the most memory); 2: keep parameters gathered from forward to backward, reduce-scatter "
+        "every micro-batch (ZeRO-2-like); 3: free them after forward and gather again for backward.",
+        choices=(1, 2, 3),
+    )
+    pp_schedule: str = option("1f1b", "Pipeline schedule.", choices=("1f1b", "interleaved_1f1b", "gpipe"))
+    pp_virtual_stages: int = option(
+        1, "Model chunks per pipeline rank; more than 1 needs pp_schedule = 'interleaved_1f1b'.", ge=1
+    )
+    pp_split: str = option(
+        "uniform",
+        "How layers are divided into stages: equal layer counts, or balanced by parameter count (the "
+        "embedding and output layer count towards the first and last stage).",
+        choices=("uniform", "params"),
+    )
+    activation_checkpoint: str = option(
+        "none",
+        "Recompute activations in the backward: every block whole ('full'), or keep the matmul outputs "
+        "and recompute only the cheap element-wise work: norms, activations, RoPE ('selective').",
+        choices=("none", "full", "selective"),
+    )
+    rank_order: str = option(
+        "tp-dp-pp",
+        "How ranks are numbered, innermost dimension first (consecutive ranks share a node): 'tp-dp-pp' "
+        "keeps data-parallel groups within a pod before pipeline stages (paper §2); 'tp-pp-dp' keeps "
+        "pipeline neighbours close and spreads data parallelism outermost.",
+        choices=("tp-dp-pp", "tp-pp-dp"),
+    )
+    overlap: OverlapConfig = section(OverlapConfig)
+    timeout_s: float = option(
+        600.0,
+        "Seconds a collective may wait for its peers before failing the job (a dead peer fails it at "
+        "once; a hung one only after this).",
+        gt=0,
+    )
+    store: str = option(
+        "env",
+        "Where the training processes meet to build their process groups: 'env' is torch's TCPStore at "
+        "MASTER_ADDR:MASTER_PORT (no setup); redis://HOST:PORT/DB a Redis server, which serves thousands of "
+        "ranks at once where TCPStore's one thread queues them (paper §3.5). Keys are kept apart by job "
+        "and restart.",
+    )

@@ -1,0 +1,199 @@
+"""The step protocol of a parallelised model: what one training step and one evaluation do with this rank's
+model parts, in each layout, so that the trainer steps every layout alike and knows none of them.
+
+`ParallelModel` holds the whole model (no pipeline parallelism) and accumulates gradients over the step's
+micro-batches; `PipelinedModel` holds this rank's stages and runs them through the pipeline schedule. Both
+own the per-step hooks of data parallelism: the first FSDP all-gathers issued before the batch is fetched
+(`begin_step`, with `parallel.overlap.dp`), ZeRO-1's one gradient sync a step (at the last micro-batch),
+and the asynchronous reduce-scatters waited for before the gradients are read (`clip_gradients`). Each
+also computes the loss where the layout needs it (on vocabulary shards under tensor parallelism, in the
+precision of the run) from the one loss function the caller hands it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from megascale.optim.clip import clip_by_global_norm
+from megascale.parallel.data import sync_gradients
+from megascale.parallel.data_overlap import GradientReductions, issue_first_all_gathers
+from megascale.parallel.tensor import full_tensor, loss_context
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> mean loss
+Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (inputs, labels) of each micro-batch
+Phase = Callable[..., contextlib.AbstractContextManager]  # a timed span: phase("forward", micro_batch=i)
+
+
+@contextlib.contextmanager
+def _untimed(name: str, **args: Any) -> Iterator[None]:
+    yield
+
+
+class ParallelModel:
+    """This rank's whole model (tensor- and data-parallel, or one process), stepped by gradient
+    accumulation: one forward and one backward per micro-batch."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        *,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        tensor_parallel: bool,
+        gather_early: bool,
+        zero1: bool,
+        reductions: GradientReductions | None = None,
+        pipeline_group: ProcessGroup | None = None,
+    ):
+        self.parts = parts  # one per pipeline stage this rank holds; the whole model without pipelining
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.tensor_parallel = tensor_parallel  # the loss is computed on vocabulary shards
+        self.gather_early = gather_early  # the first all-gathers overlap the data loading
+        self.zero1 = zero1  # gradients reduce-scattered once a step, at its last micro-batch
+        self.reductions = reductions  # asynchronous reduce-scatters in flight (DP overlap, CPU)
+        self.pipeline_group = pipeline_group  # the ranks holding the other stages
+        self.stages: list[PipelineStage] = []  # the schedule's stages (none without pipelining)
+        self.first_stage = self.last_stage = True  # feeds the inputs / computes the loss
+        self.phase: Phase = _untimed
+
+    @property
+    def micro_batches_per_evaluation(self) -> int:
+        """How many micro-batches one `evaluate` call takes."""
+        return 1
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (param for part in self.parts for param in part.parameters())
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def time_phases(self, phase: Phase) -> None:
+        """Each forward and backward of a micro-batch becomes a `phase` span (the per-rank timeline)."""
+        self.phase = phase
+
+    def begin_step(self) -> None:
+        """Before the step's batch is fetched: training mode, and the first all-gathers on their way."""
+        self.train()
+        if self.gather_early:
+            issue_first_all_gathers(self.parts)
+
+    def forward_backward(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches, accumulating the gradient of their mean
+        loss; returns that mean loss (where the layout holds it: 0 on ranks that do not)."""
+        total = torch.zeros((), device=self.device)
+        with loss_context(self.tensor_parallel):
+            for index, (inputs, labels) in enumerate(batches):
+                if self.zero1:
+                    sync_gradients(self.parts, index == len(batches) - 1)
+                with self.phase("forward", micro_batch=index):
+                    loss = self._loss(inputs, labels, loss_fn) / len(batches)
+                with self.phase("backward", micro_batch=index):
+                    loss.backward()
+                total += full_tensor(loss.detach())
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
+        """The mean loss over `micro_batches_per_evaluation` micro-batches, without gradients."""
+        with loss_context(self.tensor_parallel):
+            return full_tensor(self._loss(*batches[0], loss_fn))
+
+    def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
+        """The global gradient L2 norm over every shard (TP, FSDP) and stage (PP), clipped to `max_norm`
+        when set, as one process would; the reduce-scatters still in flight finish first."""
+        if self.reductions is not None:
+            self.reductions.wait()
+        return clip_by_global_norm(self.parameters(), max_norm, self.pipeline_group)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        with self.autocast():
+            logits = self.parts[0](inputs)
+        return loss_fn(logits, labels)
+
+
+class PipelinedModel(ParallelModel):
+    """This rank's pipeline stages, stepped by the pipeline schedule over all the step's micro-batches at
+    once. Only the first stage is given the inputs, only the last the labels and the loss."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        *,
+        schedule: Callable[..., tuple[_PipelineSchedule, list[PipelineStage]]],  # (loss_fn=) -> built
+        microbatches: int,
+        first_stage: bool,
+        last_stage: bool,
+        **options: Any,
+    ):
+        super().__init__(parts, **options)
+        self.microbatches = microbatches
+        self.first_stage, self.last_stage = first_stage, last_stage
+        self._loss_fn: LossFn | None = None  # the loss of the schedule's current step
+        self.schedule, self.stages = schedule(loss_fn=self._scheduled_loss)
+
+    @property
+    def micro_batches_per_evaluation(self) -> int:
+        return self.microbatches
+
+    def time_phases(self, phase: Phase) -> None:
+        """Each stage's forward and backward of one chunk becomes a `phase` span."""
+        for stage in self.stages:
+            # Wrapped on the instance: torch's schedules call these two per chunk, with no hook around them.
+            chunk = stage.stage_index
+            stage.forward_one_chunk = self._timed(  # type: ignore[method-assign]
+                phase, stage.forward_one_chunk, "forward", chunk
+            )
+            stage.backward_one_chunk = self._timed(  # type: ignore[method-assign]
+                phase, stage.backward_one_chunk, "backward", chunk
+            )
+
+    def forward_backward(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
+        """All micro-batches through the schedule, forward and backward (it scales the gradients by
+        1/micro-batches); the mean loss on the last stage, 0 elsewhere."""
+        return self._run(self.schedule.step, batches, loss_fn)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
+        return self._run(self.schedule.eval, batches, loss_fn)
+
+    def _run(self, run: Callable[..., Any], batches: Batches, loss_fn: LossFn) -> torch.Tensor:
+        inputs, labels = (torch.cat(column) for column in zip(*batches))
+        losses: list[torch.Tensor] = []
+        self._loss_fn = loss_fn
+        with loss_context(self.tensor_parallel), self.autocast():
+            run(
+                *((inputs,) if self.first_stage else ()),
+                target=labels if self.last_stage else None,
+                losses=losses if self.last_stage else None,
+                return_outputs=False,
+            )
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([full_tensor(loss.detach()) for loss in losses]).mean()
+
+    def _scheduled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None  # the schedule computes losses only inside `_run`
+        return self._loss_fn(logits, labels)
+
+    @staticmethod
+    def _timed(phase: Phase, run_chunk: Callable[..., Any], name: str, chunk: int) -> Callable[..., Any]:
+        def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            with phase(name, micro_batch=chunk_id, chunk=chunk):
+                return run_chunk(chunk_id, *args, **kwargs)
+
+        return timed
