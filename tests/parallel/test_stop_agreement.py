@@ -1,5 +1,5 @@
 """A stop signal reaching one rank just after a step's all-reduce: every rank must still stop after the
-same step (before the fix, that rank alone left the loop and the others waited in the next collective)."""
+same step (a rank that left the loop alone would leave the others waiting in the next collective)."""
 
 from megascale.config import load_config
 from megascale.trainer import Trainer
