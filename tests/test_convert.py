@@ -23,7 +23,9 @@ def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(hf_model(tokens).logits, trained.model.eval()(tokens), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            hf_model(tokens).logits, trained.model.parts[0].eval()(tokens), atol=1e-5, rtol=0
+        )
     trained.close()
 
     assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
@@ -37,7 +39,7 @@ def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
     fine_tuned = Trainer(job)
     assert fine_tuned.step == 0
     for (name, ours), theirs in zip(
-        trained.model.state_dict().items(), fine_tuned.model.state_dict().values()
+        trained.model.parts[0].state_dict().items(), fine_tuned.model.parts[0].state_dict().values()
     ):
         assert torch.equal(ours, theirs), name
     fine_tuned.train()
