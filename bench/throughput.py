@@ -33,8 +33,8 @@ import torch
 import transformers
 
 from megascale.config import JobConfig, ModelConfig, load_config
+from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.flops import flops_per_token, num_params
-from megascale.models.llama import ffn_dim_of
 from megascale.observe.peak import calibrate, cpu_model
 from megascale.trainer import Trainer
 

@@ -33,6 +33,10 @@ def _pp(row: Mapping[str, Any]) -> bool:
     return row["parallel.pp"] > 1
 
 
+def _moe(row: Mapping[str, Any]) -> bool:
+    return row["model.moe.experts"] > 0
+
+
 def _dp(row: Mapping[str, Any]) -> bool:
     return row["parallel.dp_replicate"] * row["parallel.dp_shard"] > 1
 
@@ -84,6 +88,19 @@ KNOBS: tuple[Knob, ...] = (
     Knob("model.tie_embeddings", (False, True)),
     Knob("model.attention.window", (None, 8)),
     Knob("model.attention.n_kv_heads", (2, 4)),
+    Knob("model.moe.experts", (0, 4)),
+    Knob("model.moe.top_k", (2, 1), _moe),
+    Knob("model.moe.shared_experts", (0, 1), _moe),
+    Knob("model.moe.dense_layers", (0, 1), _moe),
+    Knob("model.moe.score", ("softmax", "sigmoid"), _moe),
+    Knob(
+        "model.moe.normalize_weights",
+        (True, False),
+        lambda row: _moe(row) and row["model.moe.score"] == "softmax",
+    ),
+    Knob("model.moe.aux_loss_coeff", (0.0, 0.01), _moe),
+    Knob("model.moe.bias_update_rate", (0.0, 0.001), _moe),
+    Knob("model.moe.capacity_factor", (None, 1.0), _moe),
     Knob("optim.name", ("adamw", "lamb")),
     Knob("optim.grad_clip", (0.5, None)),
     Knob("training.micro_batch_size", (2, 1, 4)),
@@ -111,6 +128,8 @@ NEUTRAL: dict[str, str] = {
             "model.init_std",
             "model.attention.n_heads",
             "model.attention.rope_theta",
+            "model.moe.expert_dim",
+            "model.moe.route_scale",
             "optim.lr",
             "optim.min_lr_ratio",
             "optim.warmup_steps",

@@ -385,6 +385,7 @@ class Trainer(Stateful):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            router = self.model.finish_step()  # MoE: routing biases from the step's loads, and its health
         # One sync per step; it also carries every rank's compute time to every rank (stragglers).
         compute_s = self.timeline.compute_busy_s() if self.timeline.enabled else None
         loss_value = self._job_mean(local_loss, agree_on_stop=True, compute_s=compute_s).item()
@@ -400,6 +401,7 @@ class Trainer(Stateful):
             if self.timeline.enabled
             else {},
             rank_compute_s=self._rank_compute_s,
+            router=router,
         )
 
     def _on_nonfinite(self, grad_norm: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale import options
-from megascale.config.model import AttentionConfig, ModelConfig
+from megascale.config.model import AttentionConfig, ModelConfig, MoEConfig
 from megascale.config.parallel import OverlapConfig, ParallelConfig
 from megascale.config.resilience import ResilienceConfig
 from megascale.config.run import CheckpointConfig, DataConfig, MetricsConfig, OptimConfig, TrainingConfig
@@ -39,6 +39,7 @@ __all__ = [
     "JobConfig",
     "MetricsConfig",
     "ModelConfig",
+    "MoEConfig",
     "OptimConfig",
     "OverlapConfig",
     "ParallelConfig",
@@ -88,6 +89,15 @@ class JobConfig:
                 "model.attention.n_heads",
                 a.n_heads,
                 f"gives an odd head size {m.dim // a.n_heads}; RoPE needs an even one",
+            )
+        moe = m.moe
+        if moe.experts and moe.top_k > moe.experts:
+            fail("model.moe.top_k", moe.top_k, f"exceeds model.moe.experts = {moe.experts}")
+        if moe.experts and moe.dense_layers >= m.n_layers:
+            fail(
+                "model.moe.dense_layers",
+                moe.dense_layers,
+                f"leaves no MoE layer of model.n_layers = {m.n_layers}; lower it, or set model.moe.experts=0",
             )
         if self.data.seq_len > m.max_seq_len:
             fail("data.seq_len", self.data.seq_len, f"exceeds model.max_seq_len = {m.max_seq_len}")

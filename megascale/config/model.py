@@ -28,6 +28,57 @@ class AttentionConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts in the feed-forward layers (docs/moe.md): routed experts chosen per token by a
+    top-k router, optional shared experts every token passes through."""
+
+    experts: int = option(0, "Routed experts per MoE layer; 0 makes a dense model.", ge=0)
+    top_k: int = option(2, "Experts each token is routed to; at most `experts`.", ge=1)
+    expert_dim: int | None = option(
+        None, "Hidden size of each expert (and of each shared expert); unset: model.ffn_dim's.", ge=1
+    )
+    shared_experts: int = option(
+        0, "Shared experts every token passes through (DeepSeek, Qwen2-MoE style), added to the routed.", ge=0
+    )
+    dense_layers: int = option(
+        0, "The first this many layers keep a dense feed-forward layer (DeepSeek-V3: 3 of 61).", ge=0
+    )
+    score: str = option(
+        "softmax",
+        "Router scores: 'softmax' over the experts (Mixtral, Qwen3-MoE) or each expert's 'sigmoid' "
+        "(DeepSeek-V3).",
+        choices=("softmax", "sigmoid"),
+    )
+    normalize_weights: bool = option(
+        True,
+        "Divide the chosen experts' scores by their sum (Mixtral; Qwen3-MoE's norm_topk_prob); sigmoid "
+        "scores are always normalised.",
+    )
+    route_scale: float = option(
+        1.0, "Factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor: 2.5).", gt=0
+    )
+    aux_loss_coeff: float = option(
+        0.0,
+        "Weight of the load-balancing loss E * sum_i(f_i * P_i) (Switch Transformer) of each MoE layer, "
+        "per micro-batch; 0 turns it off.",
+        ge=0,
+    )
+    bias_update_rate: float = option(
+        0.0,
+        "Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by "
+        "this much toward the mean load (up if under-loaded, down if over-loaded); 0 turns it off.",
+        ge=0,
+    )
+    capacity_factor: float | None = option(
+        None,
+        "Unset: dropless, every routed token is computed. Set: each expert takes at most "
+        "ceil(factor * tokens * top_k / experts) token slots per micro-batch, the later tokens beyond it "
+        "are dropped (they pass through the residual only).",
+        gt=0,
+    )
+
+
+@dataclass
 class ModelConfig:
     """Decoder-only transformer shape; Llama-style by default, GPT-style by options."""
 
@@ -69,3 +120,4 @@ class ModelConfig:
         gt=0,
     )
     attention: AttentionConfig = section(AttentionConfig)
+    moe: MoEConfig = section(MoEConfig)

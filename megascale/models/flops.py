@@ -5,21 +5,40 @@ weight costs 6 FLOPs per token per parameter (forward 2, backward 4), and attent
 (QK^T and PV) cost 12 * layers * dim * span per token for fwd+bwd, where span is the number of keys a query
 sees. Megatron counts the full sequence (no causal halving), so span = seq_len; with a sliding window
 span = min(window, seq_len). Norms, activations and softmax are not counted, and neither is recomputation:
-MFU counts model FLOPs, not hardware FLOPs.
+MFU counts model FLOPs, not hardware FLOPs. An MoE layer costs what a token computes: its router, its
+`top_k` routed experts and the shared experts (the active parameters); the parameter count holds them all.
 """
 
 from __future__ import annotations
 
 from megascale.config import ModelConfig
-from megascale.models.llama import ffn_dim_of
+from megascale.models.feed_forward import ffn_dim_of
+from megascale.models.moe import expert_dim_of
+
+
+def _mlp_params(cfg: ModelConfig, hidden: int) -> int:
+    return (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * hidden
 
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
-    """Weights of one block's linear layers (q, k, v, o and the MLP)."""
+    """Weights of one dense block's linear layers (q, k, v, o and the MLP)."""
     head_dim = cfg.dim // cfg.attention.n_heads
     attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * ffn_dim_of(cfg)
-    return attention + mlp
+    return attention + _mlp_params(cfg, ffn_dim_of(cfg))
+
+
+def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Weights of every block's linear layers; with `active`, of an MoE layer only those one token uses
+    (router, top_k routed experts, shared experts)."""
+    moe = cfg.moe
+    dense = matmul_params_per_layer(cfg)
+    if not moe.experts:
+        return cfg.n_layers * dense
+    expert = _mlp_params(cfg, expert_dim_of(cfg))
+    routed = moe.top_k if active else moe.experts
+    moe_layer = dense - _mlp_params(cfg, ffn_dim_of(cfg)) + cfg.dim * moe.experts
+    moe_layer += (routed + moe.shared_experts) * expert
+    return moe.dense_layers * dense + (cfg.n_layers - moe.dense_layers) * moe_layer
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -27,7 +46,7 @@ def num_params(cfg: ModelConfig) -> int:
     norms_per_layer = (1 if cfg.block == "parallel" else 2) * cfg.dim
     embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     positions = cfg.max_seq_len * cfg.dim if cfg.position == "learned" else 0
-    return cfg.n_layers * (matmul_params_per_layer(cfg) + norms_per_layer) + embeddings + positions + cfg.dim
+    return matmul_params(cfg) + cfg.n_layers * norms_per_layer + embeddings + positions + cfg.dim
 
 
 def attention_span(cfg: ModelConfig, seq_len: int) -> int:
@@ -37,7 +56,7 @@ def attention_span(cfg: ModelConfig, seq_len: int) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs to train on one token (forward + backward) at this sequence length."""
-    dense = cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim  # + the output layer
+    dense = matmul_params(cfg, active=True) + cfg.vocab_size * cfg.dim  # + the output layer
     attention = 12 * cfg.n_layers * cfg.dim * attention_span(cfg, seq_len)
     return 6 * dense + attention
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.errors import CheckpointError, ConfigError
-from megascale.models.llama import ffn_dim_of
+from megascale.models.feed_forward import ffn_dim_of
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -65,6 +65,11 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"convert: model.attention.window = {cfg.attention.window!r} has no Hugging Face "
             "Llama equivalent; export needs full causal attention (window unset)"
+        )
+    if cfg.moe.experts:
+        raise ConfigError(
+            f"convert: model.moe.experts = {cfg.moe.experts} has no Hugging Face Llama equivalent, and the "
+            "export of MoE models (Mixtral, Qwen3-MoE) is not written yet; export needs model.moe.experts = 0"
         )
 
 

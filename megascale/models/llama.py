@@ -13,23 +13,14 @@ RoPE uses the rotate-half layout of Hugging Face's Llama, so weights convert wit
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megascale.config import ModelConfig
 from megascale.models.attention import causal_attention
-
-
-def ffn_dim_of(cfg: ModelConfig) -> int:
-    """The MLP hidden size: the configured one, else 4*dim (GeLU) or 8/3*dim rounded to 64 (SwiGLU)."""
-    if cfg.ffn_dim is not None:
-        return cfg.ffn_dim
-    if cfg.mlp == "gelu":
-        return 4 * cfg.dim
-    return 64 * math.ceil(8 * cfg.dim / 3 / 64)
+from megascale.models.feed_forward import FeedForward
+from megascale.models.moe import MoE
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -95,35 +86,15 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or GeLU (w2(gelu(w1 x))) MLP."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        hidden = ffn_dim_of(cfg)
-        self.gated = cfg.mlp == "swiglu"
-        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, hidden, bias=False) if self.gated else None
-        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.activate(self.w1(x), cast(nn.Linear, self.w3)(x) if self.gated else None))
-
-    def activate(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """The element-wise middle: silu(w1 x) * w3 x, or gelu(w1 x)."""
-        if gate is not None:
-            return F.silu(up) * gate
-        return F.gelu(up, approximate="tanh")
-
-
 class TransformerBlock(nn.Module):
     """Serial (pre-norm) or parallel transformer block (paper §3.1, Eq. 1 vs Eq. 2)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.parallel = cfg.block == "parallel"
         self.attention = Attention(cfg)
-        self.feed_forward = FeedForward(cfg)
+        moe = cfg.moe.experts > 0 and layer >= cfg.moe.dense_layers
+        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg)
         self.attention_norm = make_norm(cfg)
         # The parallel block feeds one normalised input to both branches, so it has a single norm.
         self.ffn_norm = None if self.parallel else make_norm(cfg)
@@ -145,7 +116,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.position == "learned" else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -160,13 +131,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) weights; output projections of each residual branch scaled by 1/sqrt(2L)."""
+        """Normal(0, init_std) weights (experts' too); output projections of each residual branch (every
+        expert's, the shared experts') scaled by 1/sqrt(2L)."""
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if param.ndim == 1:
                 nn.init.ones_(param)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):  # into the residual
                 nn.init.normal_(param, std=residual_std)
             else:
                 nn.init.normal_(param, std=std)

@@ -39,6 +39,7 @@ class StepMetrics:
     data_wait_s: float
     breakdown: dict[str, float]  # compute / exposed communication / bubble / other, from the timeline
     rank_compute_s: list[float] = field(default_factory=list)  # every rank's, from the step's all-reduce
+    router: dict[str, float] = field(default_factory=dict)  # MoE routing health (parallel/step.py)
 
 
 class Instruments:
@@ -99,6 +100,7 @@ class Instruments:
             "step_time_s": metrics.step_time_s,
             "data_wait_s": metrics.data_wait_s,
             **metrics.breakdown,
+            **metrics.router,
         }
         if metrics.rank_compute_s and self.rank == 0:  # rank 0 speaks for the job
             record["rank_compute_s"] = [round(seconds, 6) for seconds in metrics.rank_compute_s]

@@ -12,9 +12,11 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megascale.config import ParallelConfig
 from megascale.models import sharding
+from megascale.models.moe import MoE
 from megascale.parallel.activation import apply_activation_checkpointing
 from megascale.parallel.data import apply_fsdp
 from megascale.parallel.data_overlap import GradientReductions
@@ -42,6 +44,7 @@ def parallelize(
         par.overlap.dp and device.type == "cpu" and dims.dp > 1 and dims.dp_replicate == 1 and dims.pp == 1
     )
     reductions = GradientReductions() if async_reductions else None
+    routed = any(isinstance(module, MoE) for module in model.modules())  # before a stage drops layers
     if dims.pp == 1:
         _shard(model, dims, par, compile_blocks, reductions)
         return ParallelModel(
@@ -52,6 +55,8 @@ def parallelize(
             gather_early=par.overlap.dp,
             zero1=par.zero_stage == 1,
             reductions=reductions,
+            data_groups=_data_groups(dims),
+            routed=routed,
         )
     num_stages = dims.pp * par.pp_virtual_stages
     stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages)
@@ -82,7 +87,15 @@ def parallelize(
         gather_early=par.overlap.dp,
         zero1=False,  # the schedule syncs FSDP's gradients at each stage's last backward
         pipeline_group=group,
+        data_groups=_data_groups(dims),
+        routed=routed,
     )
+
+
+def _data_groups(dims: ParallelDims) -> list[ProcessGroup]:
+    """The data-parallel groups of this rank, one per data dimension with more than one rank."""
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard}
+    return [dims.sub_mesh(name).get_group() for name, size in sizes.items() if size > 1]
 
 
 def _stages(model: nn.Module, stage_ids: list[int], num_stages: int, par: ParallelConfig) -> list[nn.Module]:

@@ -7,7 +7,8 @@ own the per-step hooks of data parallelism: the first FSDP all-gathers issued be
 (`begin_step`, with `parallel.overlap.dp`), ZeRO-1's one gradient sync a step (at the last micro-batch),
 and the asynchronous reduce-scatters waited for before the gradients are read (`clip_gradients`). Each
 also computes the loss where the layout needs it (on vocabulary shards under tensor parallelism, in the
-precision of the run) from the one loss function the caller hands it.
+precision of the run) from the one loss function the caller hands it, and after the optimizer step moves
+the MoE layers' routing biases from the expert loads of the whole step (`finish_step`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from megascale.models.moe import MoE, training_step
 from megascale.optim.clip import clip_by_global_norm
 from megascale.parallel.data import sync_gradients
 from megascale.parallel.data_overlap import GradientReductions, issue_first_all_gathers
@@ -52,6 +55,8 @@ class ParallelModel:
         zero1: bool,
         reductions: GradientReductions | None = None,
         pipeline_group: ProcessGroup | None = None,
+        data_groups: Sequence[ProcessGroup] = (),
+        routed: bool = False,
     ):
         self.parts = parts  # one per pipeline stage this rank holds; the whole model without pipelining
         self.device = device
@@ -61,6 +66,9 @@ class ParallelModel:
         self.zero1 = zero1  # gradients reduce-scattered once a step, at its last micro-batch
         self.reductions = reductions  # asynchronous reduce-scatters in flight (DP overlap, CPU)
         self.pipeline_group = pipeline_group  # the ranks holding the other stages
+        self.data_groups = data_groups  # the ranks holding the same layers: one group per data dimension
+        self.moe_layers = [module for part in parts for module in part.modules() if isinstance(module, MoE)]
+        self.routed = routed  # the model has MoE layers (on some stage): every rank joins `finish_step`
         self.stages: list[PipelineStage] = []  # the schedule's stages (none without pipelining)
         self.first_stage = self.last_stage = True  # feeds the inputs / computes the loss
         self.phase: Phase = _untimed
@@ -91,7 +99,8 @@ class ParallelModel:
         """Forward and backward over the step's micro-batches, accumulating the gradient of their mean
         loss; returns that mean loss (where the layout holds it: 0 on ranks that do not)."""
         total = torch.zeros((), device=self.device)
-        with loss_context(self.tensor_parallel):
+        # The auxiliary losses weigh in each micro-batch's backward as its main loss does.
+        with loss_context(self.tensor_parallel), training_step(aux_loss_scale=1 / len(batches)):
             for index, (inputs, labels) in enumerate(batches):
                 if self.zero1:
                     sync_gradients(self.parts, index == len(batches) - 1)
@@ -114,6 +123,33 @@ class ParallelModel:
         if self.reductions is not None:
             self.reductions.wait()
         return clip_by_global_norm(self.parameters(), max_norm, self.pipeline_group)
+
+    def finish_step(self) -> dict[str, float]:
+        """After the optimizer step, in a model with MoE layers: their expert loads and dropped slots summed
+        over the data-parallel ranks (one all-reduce for every layer), their routing biases moved toward
+        an even load, and the router's health for the metrics, over every layer of every stage: the worst
+        layer's max/mean expert load and the share of routed slots dropped (capacity)."""
+        if not self.routed:
+            return {}
+        if not self.moe_layers:  # a stage of dense layers only: it adds nothing to the health
+            counts = torch.zeros(0, 1, device=self.device)
+        else:
+            counts = torch.stack([torch.cat([layer.load, layer.dropped[None]]) for layer in self.moe_layers])
+            for group in self.data_groups:
+                dist.all_reduce(counts, group=group)
+        for layer, count in zip(self.moe_layers, counts):
+            layer.load.copy_(count[:-1])
+            layer.dropped.zero_()
+        imbalance = max((float(load.max() / load.mean()) for load in counts[:, :-1]), default=0.0)
+        dropped, routed = float(counts[:, -1].sum()), float(counts[:, :-1].sum())
+        health = torch.tensor([imbalance, dropped, routed], device=self.device)
+        if self.pipeline_group is not None:  # every stage's layers: the worst imbalance, the total drops
+            dist.all_reduce(health[:1], op=dist.ReduceOp.MAX, group=self.pipeline_group)
+            dist.all_reduce(health[1:], group=self.pipeline_group)
+        for layer in self.moe_layers:
+            layer.update_bias()
+        imbalance, dropped, routed = health.tolist()
+        return {"moe_load_max_over_mean": imbalance, "moe_dropped_fraction": dropped / max(routed, 1.0)}
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -145,6 +181,12 @@ class PipelinedModel(ParallelModel):
         self.first_stage, self.last_stage = first_stage, last_stage
         self._loss_fn: LossFn | None = None  # the loss of the schedule's current step
         self.schedule, self.stages = schedule(loss_fn=self._scheduled_loss)
+        # A step's micro-batches (their backward too, which may recompute the forward), not the schedule's
+        # shape inference, which runs the stage once more: the schedule divides the gradients by the
+        # micro-batches afterwards, so auxiliary losses weigh 1.
+        for stage in self.stages:
+            stage.forward_one_chunk = self._within(stage.forward_one_chunk)  # type: ignore[method-assign]
+            stage.backward_one_chunk = self._within(stage.backward_one_chunk)  # type: ignore[method-assign]
 
     @property
     def micro_batches_per_evaluation(self) -> int:
@@ -189,6 +231,14 @@ class PipelinedModel(ParallelModel):
     def _scheduled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None  # the schedule computes losses only inside `_run`
         return self._loss_fn(logits, labels)
+
+    @staticmethod
+    def _within(run_chunk: Callable[..., Any]) -> Callable[..., Any]:
+        def in_training_step(*args: Any, **kwargs: Any) -> Any:
+            with training_step(aux_loss_scale=1.0):
+                return run_chunk(*args, **kwargs)
+
+        return in_training_step
 
     @staticmethod
     def _timed(phase: Phase, run_chunk: Callable[..., Any], name: str, chunk: int) -> Callable[..., Any]:

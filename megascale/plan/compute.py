@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megascale.config import ModelConfig
-from megascale.models.llama import ffn_dim_of
+from megascale.models.feed_forward import ffn_dim_of
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Job, Layout
 

@@ -171,6 +171,7 @@ LLAMA = {
     "model.mlp": "swiglu",
     "model.position": "rope",
     "model.attention.window": None,
+    "model.moe.experts": 0,
 }
 
 

@@ -7,7 +7,9 @@ from contextlib import nullcontext
 
 import torch
 
+from megascale.config import MoEConfig
 from megascale.models.llama import Transformer
+from megascale.models.moe import MoE
 from megascale.parallel.step import ParallelModel
 from megascale.trainer import next_token_loss
 from tests.parallel.tiny import SEQ, VOCAB, tiny_model_config
@@ -21,6 +23,7 @@ def _one_process(model: torch.nn.Module) -> ParallelModel:
         tensor_parallel=False,
         gather_early=False,
         zero1=False,
+        routed=any(isinstance(module, MoE) for module in model.modules()),
     )
 
 
@@ -70,3 +73,22 @@ def test_evaluate_leaves_no_gradient_and_clip_gradients_clips_the_global_norm():
     torch.testing.assert_close(got, norm)
     for param, grad in zip(model.parameters(), grads):
         torch.testing.assert_close(param.grad, grad / 4, rtol=1e-4, atol=1e-8)
+
+
+def test_finish_step_moves_the_routing_biases_and_reports_the_routers_health():
+    cfg = tiny_model_config(moe=MoEConfig(experts=4, top_k=2, capacity_factor=0.5, bias_update_rate=0.01))
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    stepped = _one_process(model)
+    stepped.forward_backward(_batches(2), next_token_loss)
+    layers = stepped.moe_layers
+    loads = [layer.load.clone() for layer in layers]
+    dropped = sum(float(layer.dropped) for layer in layers)
+
+    health = stepped.finish_step()
+
+    assert health["moe_load_max_over_mean"] == max(float(load.max() / load.mean()) for load in loads)
+    assert health["moe_dropped_fraction"] == dropped / sum(float(load.sum()) for load in loads) > 0
+    for layer, load in zip(layers, loads):
+        assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(load.mean() - load))
+        assert layer.load.sum() == 0 and layer.dropped == 0

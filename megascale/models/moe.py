@@ -1,0 +1,218 @@
+"""Mixture-of-experts feed-forward layer, single-device (docs/moe.md): a top-k router, routed experts
+computed as one grouped GEMM, optional shared experts, and the two ways of keeping the experts' load even.
+
+Routing: each token's router scores (a softmax over the experts, or each expert's sigmoid as in
+DeepSeek-V3) pick its `top_k` experts; the chosen scores, normalised to sum to 1 when asked (always for
+sigmoid scores) and times `route_scale`, weigh the experts' outputs. A per-expert bias, added to the scores
+for the choice only, is DeepSeek-V3's auxiliary-loss-free balancing: `update_bias` moves it toward an even
+load after each step from the load counted over the step. The load-balancing loss (Switch Transformer:
+E * sum_i f_i * P_i, f the share of token slots routed to expert i, P its mean score) reaches the
+gradients through `AuxLoss`: it adds nothing to the forward output and seeds the loss's gradient in the
+backward (Megatron-LM's way), so it needs no path of its own to the loss and works on any pipeline stage.
+It is computed per sequence and averaged (DeepSeek-V3's sequence-wise form), so that it is the same
+objective however a step's sequences are split into micro-batches and data-parallel ranks.
+
+Compute: token slots are sorted by expert (a stable sort keeps token order within an expert) and every
+expert's slice is multiplied by its weights in one `torch._grouped_mm` (torch's grouped GEMM, the kernel
+torchtitan uses; it runs on CPU too), then put back in token order and summed with the weights. Dropless
+by default; with `capacity_factor`, an expert takes at most ceil(factor * seq_len * top_k / experts) slots
+of each sequence (GShard's capacity, one group per sequence, so that what is dropped does not depend on
+how sequences are batched), in token order, and the rest are dropped (their output is zero: the residual
+carries them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.config import ModelConfig
+from megascale.models.feed_forward import FeedForward, ffn_dim_of
+
+_step: dict[str, Any] | None = None  # set inside `training_step`: the micro-batch forwards of a step
+
+
+@contextlib.contextmanager
+def training_step(aux_loss_scale: float = 1.0) -> Iterator[None]:
+    """Inside, forwards are a training step's micro-batches: their expert loads are counted (for the bias
+    update) and their auxiliary losses weigh `aux_loss_scale` in the backward: 1/micro-batches where the
+    caller divides the main loss by the number of micro-batches before its backward, 1 where the gradients
+    are divided afterwards. Forwards outside (evaluation; a pipeline schedule's shape inference) count
+    nothing and add no auxiliary loss."""
+    global _step
+    previous, _step = _step, {"aux_loss_scale": aux_loss_scale}
+    try:
+        yield
+    finally:
+        _step = previous
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on `output`; in the backward, `loss` gets the gradient `scale` (its weight in the
+    objective), so the auxiliary loss is minimised with the main one without being added to it."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+def expert_dim_of(cfg: ModelConfig) -> int:
+    """Each expert's hidden size: model.moe.expert_dim, else the dense layer's."""
+    return cfg.moe.expert_dim if cfg.moe.expert_dim is not None else ffn_dim_of(cfg)
+
+
+class Router(nn.Module):
+    """Scores every token against every expert and picks `top_k`."""
+
+    expert_bias: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.score, self.route_scale = moe.top_k, moe.score, moe.route_scale
+        self.normalize = moe.normalize_weights or moe.score == "sigmoid"
+        self.gate = nn.Linear(cfg.dim, moe.experts, bias=False)
+        # Added to the scores for the choice only (auxiliary-loss-free balancing); saved with the model.
+        self.register_buffer("expert_bias", torch.zeros(moe.experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> the chosen experts' weights [tokens, k] and indices [tokens, k], and every
+        expert's score [tokens, experts] (float32)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
+        chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.route_scale, chosen, scores
+
+
+class GroupedExperts(nn.Module):
+    """`experts` SwiGLU or GeLU MLPs with stacked weights, computed by grouped GEMMs over token slots sorted
+    by expert."""
+
+    def __init__(self, cfg: ModelConfig, experts: int):
+        super().__init__()
+        hidden = expert_dim_of(cfg)
+        self.gated = cfg.mlp == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(experts, cfg.dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, cfg.dim, hidden)) if self.gated else None
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, cfg.dim))
+
+    # Left out of torch.compile: torch 2.13's meta kernel of the grouped GEMM takes only bfloat16 (CUDA's
+    # rule), so tracing a float32 one fails; the rest of a compiled block is compiled around it.
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [slots, dim], sorted by expert, `counts[e]` slots for expert e -> [slots, dim]."""
+        ends = counts.cumsum(0).to(torch.int32)
+        device = x.device.type
+        # Autocast does not cover the grouped GEMM: its operands are cast here as autocast casts a matmul's.
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.w1.dtype
+
+        def grouped(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(inputs.to(dtype), weight.to(dtype), offs=ends)
+
+        up = grouped(x, self.w1)
+        middle = F.silu(up) * grouped(x, self.w3) if self.w3 is not None else F.gelu(up, approximate="tanh")
+        return grouped(middle, self.w2)
+
+
+class MoE(nn.Module):
+    """The feed-forward layer of an MoE block: routed experts (+ shared experts), [batch, seq, dim] in and
+    out."""
+
+    load: torch.Tensor
+    dropped: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.experts, moe.top_k
+        self.capacity_factor, self.aux_loss_coeff = moe.capacity_factor, moe.aux_loss_coeff
+        self.bias_update_rate = moe.bias_update_rate
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg, moe.experts)
+        self.shared = (
+            FeedForward(cfg, hidden=expert_dim_of(cfg) * moe.shared_experts) if moe.shared_experts else None
+        )
+        # Token slots each expert took since the last `update_bias` (training only), and dropped slots.
+        self.register_buffer("load", torch.zeros(moe.experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, chosen, scores = self.router(flat)
+        slots = chosen.flatten()
+        order = slots.argsort(stable=True)  # slot positions grouped by expert, in token order
+        routed_counts = torch.bincount(slots, minlength=self.num_experts)
+        order, counts = self._within_capacity(order, slots[order], routed_counts, seq)
+        routed = self.experts(flat[order // self.top_k], counts)
+        output = routed.new_zeros(slots.numel(), dim).index_copy(0, order, routed)
+        output = (output.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(output.dtype)).sum(dim=1)
+        output = output.view(batch, seq, dim).to(x.dtype)
+        if self.shared is not None:
+            output = output + self.shared(x)
+        if _step is None or not self.training:
+            return output
+        # Counted once per forward: not again when activation checkpointing recomputes it in the backward.
+        if torch._C._current_graph_task_id() == -1:
+            with torch.no_grad():
+                self.load += routed_counts.to(self.load.dtype)
+                self.dropped += slots.numel() - order.numel()
+        if self.aux_loss_coeff and torch.is_grad_enabled():  # the recomputation builds the same graph
+            loss = self.balance_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1))
+            output = AuxLoss.apply(output, loss, self.aux_loss_coeff * _step["aux_loss_scale"])
+        return output
+
+    def _within_capacity(
+        self, order: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots (`order`, sorted by expert: `experts`) the experts compute and how many each: all of
+        them when dropless, else each expert's first `capacity` slots of each sequence, in token order."""
+        if self.capacity_factor is None:
+            return order, counts
+        capacity = math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
+        # Sorted by expert in token order, each (expert, sequence) pair's slots are one run.
+        per_sequence = seq_len * self.top_k
+        sequences = order.numel() // per_sequence
+        runs = experts * sequences + order // per_sequence
+        run_sizes = torch.bincount(runs, minlength=self.num_experts * sequences)
+        starts = run_sizes.cumsum(0) - run_sizes
+        keep = torch.arange(order.numel(), device=order.device) - starts[runs] < capacity
+        kept = order[keep]
+        return kept, torch.bincount(experts[keep], minlength=self.num_experts)
+
+    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's E * sum_i f_i * P_i per sequence, averaged over the sequences: f_i the
+        share of the sequence's token slots routed to expert i, P_i its mean score over the sequence
+        (sigmoid scores normalised per token first). scores [batch, seq, experts], chosen [batch, seq, k]."""
+        if self.router.score == "sigmoid":
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        batch, seq, k = chosen.shape
+        counts = scores.new_zeros(batch, self.num_experts)
+        counts.scatter_add_(1, chosen.reshape(batch, seq * k), scores.new_ones(batch, seq * k))
+        share = counts / (seq * k)
+        return self.num_experts * (share * scores.mean(dim=1)).sum(dim=1).mean()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After a step: every expert's routing bias moves `bias_update_rate` toward the mean load (the load
+        counted since the last call, summed over the data-parallel ranks by the caller), then the count
+        starts again."""
+        if self.bias_update_rate:
+            self.router.expert_bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
