@@ -379,7 +379,7 @@ def _add_data_verbs(verbs: Any) -> None:
     prepare.set_defaults(run=cmd_prepare)
 
     convert = verbs.add_parser(
-        "convert", help="Convert weights to or from Hugging Face Llama (config.json + safetensors)."
+        "convert", help="Convert weights to or from Hugging Face Llama or Mixtral (config.json, safetensors)."
     )
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument(

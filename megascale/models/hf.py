@@ -1,8 +1,12 @@
-"""Hugging Face Llama interop: config.json and safetensors weights in both directions.
+"""Hugging Face Llama and Mixtral interop: config.json and safetensors weights in both directions.
 
 A megascale model with the Llama options (RMSNorm, SwiGLU, RoPE, serial block, full causal attention) is
 a `LlamaForCausalLM`: RoPE uses the same rotate-half layout, so every weight maps 1:1 by name, with no
-permutation. Only `safetensors` and `json` are needed; `transformers` itself is optional.
+permutation. With MoE layers in every block, routed as Mixtral routes (softmax scores, the chosen ones
+normalised, no shared expert, no routing bias, dropless), it is a `MixtralForCausalLM`: the router is the
+gate, and each expert's slice of the stacked weights, transposed, is that expert's w1/w3/w2 (the per-expert
+layout Mixtral checkpoints are stored in). Only `safetensors` and `json` are needed; `transformers` itself
+is optional.
 
 Fields with no Hugging Face counterpart (the parallel block, GeLU, LayerNorm, learned positions, the
 sliding window) cannot be exported, and configs using Llama features megascale lacks (biases, RoPE
@@ -18,9 +22,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from megascale.config import AttentionConfig, ModelConfig
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig
 from megascale.errors import CheckpointError, ConfigError
 from megascale.models.feed_forward import ffn_dim_of
+from megascale.models.moe import expert_dim_of
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,9 +37,6 @@ _LAYER_KEYS = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -52,8 +54,21 @@ _LLAMA_FIELDS = (
 )
 
 
+# The MoE settings of a Mixtral layer: (field, required value).
+_MIXTRAL_FIELDS: tuple[tuple[str, object], ...] = (
+    ("score", "softmax"),
+    ("normalize_weights", True),
+    ("route_scale", 1.0),
+    ("shared_experts", 0),
+    ("dense_layers", 0),
+    ("bias_update_rate", 0.0),
+    ("capacity_factor", None),
+)
+
+
 def check_exportable(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first field that a Hugging Face Llama cannot represent."""
+    """Raise ConfigError naming the first field that a Hugging Face Llama (or, with MoE layers, Mixtral)
+    cannot represent."""
     for name, required in _LLAMA_FIELDS:
         value = getattr(cfg, name)
         if value != required:
@@ -66,16 +81,39 @@ def check_exportable(cfg: ModelConfig) -> None:
             f"convert: model.attention.window = {cfg.attention.window!r} has no Hugging Face "
             "Llama equivalent; export needs full causal attention (window unset)"
         )
-    if cfg.moe.experts:
-        raise ConfigError(
-            f"convert: model.moe.experts = {cfg.moe.experts} has no Hugging Face Llama equivalent, and the "
-            "export of MoE models (Mixtral, Qwen3-MoE) is not written yet; export needs model.moe.experts = 0"
-        )
+    for moe_field, wanted in _MIXTRAL_FIELDS if cfg.moe.experts else ():
+        setting = getattr(cfg.moe, moe_field)
+        if setting != wanted:
+            raise ConfigError(
+                f"convert: model.moe.{moe_field} = {setting!r} has no Hugging Face Mixtral equivalent; "
+                f"export needs model.moe.{moe_field} = {wanted!r}"
+            )
 
 
 def hf_config_of(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json of the LlamaForCausalLM equal to this model."""
+    """The config.json of the LlamaForCausalLM (MixtralForCausalLM with MoE layers) equal to this model."""
     check_exportable(cfg)
+    if cfg.moe.experts:
+        return {**_llama_config(cfg), **_mixtral_fields(cfg)}
+    return _llama_config(cfg)
+
+
+def _mixtral_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """What a Mixtral config.json says beyond (or instead of) a Llama one."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": expert_dim_of(cfg),
+        "num_local_experts": cfg.moe.experts,
+        "num_experts_per_tok": cfg.moe.top_k,
+        "router_aux_loss_coef": cfg.moe.aux_loss_coeff,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+
+
+def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
     rope_theta = cfg.attention.rope_theta
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -129,9 +167,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     exporting a default config and importing it back gives an equal ModelConfig.
     """
     model_type = hf.get("model_type")
-    if model_type != "llama":
+    if model_type not in ("llama", "mixtral"):
         raise ConfigError(
-            f"convert: config.json model_type = {model_type!r} is not supported; only 'llama' converts"
+            f"convert: config.json model_type = {model_type!r} is not supported; 'llama' and 'mixtral' "
+            "convert"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag, False):
@@ -168,18 +207,66 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         ),
     )
     intermediate_size = hf["intermediate_size"]
-    if intermediate_size != ffn_dim_of(cfg):
+    if model_type == "mixtral":
+        cfg.moe = _moe_config_from_mixtral(hf)
+    elif intermediate_size != ffn_dim_of(cfg):
         cfg.ffn_dim = intermediate_size
     return cfg
 
 
+def _moe_config_from_mixtral(hf: dict[str, Any]) -> MoEConfig:
+    """Mixtral's MoE layers: every block's, softmax routing with the chosen scores normalised, dropless."""
+    for key, what in (
+        ("sliding_window", "full causal attention"),
+        ("router_jitter_noise", "no router noise"),
+    ):
+        if hf.get(key):
+            raise ConfigError(
+                f"convert: config.json {key} = {hf[key]!r} is not supported; megascale's Mixtral has "
+                f"{what} ({key} null or 0)"
+            )
+    return MoEConfig(
+        experts=hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_dim=hf["intermediate_size"],
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+    )
+
+
+_DENSE_FFN_KEYS = {
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_ROUTER_KEYS = {"feed_forward.router.gate.weight": "block_sparse_moe.gate.weight"}
+# Our stacked expert weights [experts, in, out] -> Mixtral's per-expert linear weights [out, in].
+_EXPERT_KEYS = {"w1": "w1", "w3": "w3", "w2": "w2"}
+
+
 def _key_map(cfg: ModelConfig) -> dict[str, str]:
-    """Every megascale state-dict key -> its Hugging Face name."""
+    """Every megascale state-dict key that maps 1:1 -> its Hugging Face name (experts aside)."""
     names = dict(_GLOBAL_KEYS)
     for i in range(cfg.n_layers):
-        for ours, theirs in _LAYER_KEYS.items():
+        for ours, theirs in {**_LAYER_KEYS, **(_ROUTER_KEYS if cfg.moe.experts else _DENSE_FFN_KEYS)}.items():
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return names
+
+
+def _expert_keys(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Each stacked expert weight of ours -> Mixtral's per-expert names, in expert order."""
+    return {
+        f"layers.{i}.feed_forward.experts.{ours}": [
+            f"model.layers.{i}.block_sparse_moe.experts.{e}.{theirs}.weight" for e in range(cfg.moe.experts)
+        ]
+        for i in range(cfg.n_layers if cfg.moe.experts else 0)
+        for ours, theirs in _EXPERT_KEYS.items()
+    }
+
+
+def _bias_keys(cfg: ModelConfig) -> list[str]:
+    """The routing biases, which a Mixtral has none of (zero without model.moe.bias_update_rate)."""
+    layers = range(cfg.n_layers if cfg.moe.experts else 0)
+    return [f"layers.{i}.feed_forward.router.expert_bias" for i in layers]
 
 
 def _check_keys(found: set[str], expected: set[str], what: str) -> None:
@@ -193,26 +280,35 @@ def _check_keys(found: set[str], expected: set[str], what: str) -> None:
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """megascale weights -> Hugging Face Llama weights: the same tensors renamed, lm_head dropped if tied."""
     check_exportable(cfg)
-    names = _key_map(cfg)
-    found = set(state_dict)
+    names, experts = _key_map(cfg), _expert_keys(cfg)
+    found = set(state_dict) - set(_bias_keys(cfg))
     if cfg.tie_embeddings:
         # A tied model's state_dict lists the shared tensor under both names; Llama stores it once.
         names.pop("output.weight")
         found.discard("output.weight")
-    _check_keys(found, set(names), "megascale state dict")
-    return {names[key]: state_dict[key] for key in names}
+    _check_keys(found, set(names) | set(experts), "megascale state dict")
+    hf_sd = {names[key]: state_dict[key] for key in names}
+    for ours, theirs in experts.items():
+        hf_sd.update(zip(theirs, (weight.T for weight in state_dict[ours].unbind(0))))
+    return hf_sd
 
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face Llama weights -> a state dict that `Transformer(cfg).load_state_dict` accepts."""
     theirs_to_ours = {theirs: ours for ours, theirs in _key_map(cfg).items()}
+    experts = _expert_keys(cfg)
     # Old checkpoints also store RoPE's inverse frequencies, which megascale recomputes.
     found = {key for key in hf_sd if not key.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
         theirs_to_ours.pop("lm_head.weight")
         found.discard("lm_head.weight")
-    _check_keys(found, set(theirs_to_ours), "Hugging Face state dict")
+    expected = set(theirs_to_ours) | {name for names in experts.values() for name in names}
+    _check_keys(found, expected, "Hugging Face state dict")
     state_dict = {ours: hf_sd[theirs] for theirs, ours in theirs_to_ours.items()}
+    for ours, theirs in experts.items():
+        state_dict[ours] = torch.stack([hf_sd[name].T for name in theirs])
+    for key in _bias_keys(cfg):
+        state_dict[key] = torch.zeros(cfg.moe.experts)
     if cfg.tie_embeddings:
         state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
     return state_dict

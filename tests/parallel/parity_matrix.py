@@ -11,8 +11,9 @@ of each layout (pipeline, data-parallel and tensor-parallel degrees), and after 
 Llama model:
 - its step-5 checkpoint, resumed on one process, trains steps 6-10 within the tolerance of the reference;
 - its step-10 checkpoint exported to Hugging Face (`megascale convert --to hf`) gives the logits of the same
-  checkpoint loaded into one megascale process, within 1e-5, in transformers' LlamaForCausalLM; a model
-  with no Llama equivalent must be refused by the export instead, naming the field.
+  checkpoint loaded into one megascale process, within 1e-5, in transformers' LlamaForCausalLM (or
+  MixtralForCausalLM); a model with no Llama or Mixtral equivalent must be refused by the export instead,
+  naming the field.
 
     python -m tests.parallel.parity_matrix                # every pair of knob values (CI runs this set)
     python -m tests.parallel.parity_matrix --strength 3   # every triple: the full matrix, before a release
@@ -163,20 +164,28 @@ def layout(row: Row) -> tuple[int, ...]:
     return tuple(row[f"parallel.{name}"] for name in ("dp_replicate", "dp_shard", "tp", "pp"))
 
 
-# The model knobs' values of a Hugging Face Llama: the rows `megascale convert --to hf` must export (and
-# every other must be refused by it; `compare` checks both).
+# The model knobs' values of a Hugging Face Llama, and with MoE layers those of a Mixtral: the rows
+# `megascale convert --to hf` must export (and every other must be refused by it; `compare` checks both).
 LLAMA = {
     "model.block": "serial",
     "model.norm": "rmsnorm",
     "model.mlp": "swiglu",
     "model.position": "rope",
     "model.attention.window": None,
-    "model.moe.experts": 0,
+}
+MIXTRAL = {
+    "model.moe.score": "softmax",
+    "model.moe.normalize_weights": True,
+    "model.moe.shared_experts": 0,
+    "model.moe.dense_layers": 0,
+    "model.moe.bias_update_rate": 0.0,
+    "model.moe.capacity_factor": None,
 }
 
 
 def exportable(row: Row) -> bool:
-    return all(row[key] == value for key, value in LLAMA.items())
+    moe = MIXTRAL if row["model.moe.experts"] else {}
+    return all(row[key] == value for key, value in {**LLAMA, **moe}.items())
 
 
 def export_bonus(row: Row, taken: list[Row]) -> float:
@@ -290,7 +299,7 @@ def resume_and_export(rank: int, world_size: int, args: list[str], saved: Path, 
     newest = resolve_checkpoint(saved)
     model = Transformer(cfg.model)
     load_model_weights(newest, model)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(work / "hf", attn_implementation="eager")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="eager")
     tokens = torch.randint(
         0, cfg.model.vocab_size, (2, cfg.data.seq_len), generator=torch.Generator().manual_seed(0)
     )
