@@ -82,6 +82,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
             _lines([("grad norm", "#9467bd", _points(records, "grad_norm"))]),
         ),
         "chart-throughput": ("Throughput", _throughput(records)),
+        **_routing(records),
         "chart-breakdown": ("Step time by kind (rank 0)", _breakdown(records)),
         "heatmap-ranks": (
             "Compute time per rank, relative to the step's median",
@@ -228,6 +229,21 @@ def _throughput(records: Records) -> str:
     source = next((r["peak_source"] for r in reversed(records) if "peak_source" in r), "")
     label = f"MFU, % of the {PEAK_LABELS.get(source, f'{source} peak')}"
     return tokens + _lines([(label, "#8c564b", mfu)], y_fmt=lambda v: f"{v:.3g}%", height=165)
+
+
+def _routing(records: Records) -> dict[str, tuple[str, str]]:
+    """A run with MoE layers: each step's worst layer imbalance (busiest expert over the mean) and the share
+    of routed slots capacity dropped; a dense run has no such section."""
+    imbalance = _points(records, "moe_load_max_over_mean")
+    if not imbalance:
+        return {}
+    chart = _lines([("busiest expert / mean load, worst layer", "#d62728", imbalance)], height=165)
+    dropped = _lines(
+        [("routed slots dropped, %", "#7f7f7f", _points(records, "moe_dropped_fraction", 100.0))],
+        y_fmt=lambda v: f"{v:.3g}%",
+        height=165,
+    )
+    return {"chart-routing": ("Expert routing (MoE)", chart + dropped)}
 
 
 def _columns(records: Records) -> list[Records]:

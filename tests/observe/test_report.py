@@ -161,6 +161,18 @@ def test_missing_data_is_said_in_its_section(tmp_path):
     assert "final loss nan" in page and "train loss non-finite at step 2" in section(page, "chart-loss")
 
 
+def test_a_run_with_moe_layers_has_its_routing_charted_and_a_dense_one_has_no_routing_section(tmp_path):
+    run_dir = fake_run(tmp_path / "moe")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record.update(moe_load_max_over_mean=4.0 - 0.1 * record["step"], moe_dropped_fraction=0.02)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    routing = section(write_report(run_dir).read_text(), "chart-routing")
+    assert "busiest expert / mean load, worst layer" in routing and "routed slots dropped, %" in routing
+    assert routing.count("<path") >= 2
+    assert 'id="chart-routing"' not in write_report(fake_run(tmp_path / "dense")).read_text()
+
+
 def test_a_directory_without_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(MegascaleError, match=re.escape(str(tmp_path / "metrics.jsonl"))):
         write_report(tmp_path)
