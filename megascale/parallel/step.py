@@ -141,15 +141,15 @@ class ParallelModel:
             layer.load.copy_(count[:-1])
             layer.dropped.zero_()
         imbalance = max((float(load.max() / load.mean()) for load in counts[:, :-1]), default=0.0)
-        dropped, routed = float(counts[:, -1].sum()), float(counts[:, :-1].sum())
-        health = torch.tensor([imbalance, dropped, routed], device=self.device)
+        dropped, slots = float(counts[:, -1].sum()), float(counts[:, :-1].sum())
+        health = torch.tensor([imbalance, dropped, slots], device=self.device)
         if self.pipeline_group is not None:  # every stage's layers: the worst imbalance, the total drops
             dist.all_reduce(health[:1], op=dist.ReduceOp.MAX, group=self.pipeline_group)
             dist.all_reduce(health[1:], group=self.pipeline_group)
         for layer in self.moe_layers:
             layer.update_bias()
-        imbalance, dropped, routed = health.tolist()
-        return {"moe_load_max_over_mean": imbalance, "moe_dropped_fraction": dropped / max(routed, 1.0)}
+        imbalance, dropped, slots = health.tolist()
+        return {"moe_load_max_over_mean": imbalance, "moe_dropped_fraction": dropped / max(slots, 1.0)}
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
