@@ -468,17 +468,16 @@ class Checkpointer:
             return None
         check_resumable(location, read_manifest(location), cfg)
         descriptor = self.load(location, state, replicas=replicas)
-        saved_layout = descriptor.get("layout", "1 process")
+        saved_layout, step = descriptor.get("layout", "1 process"), descriptor.get("step")
         log.info(
-            "resumed from %s at step %d%s",
+            "resumed from %s at step %s%s",
             location,
-            descriptor["step"],
+            step,
             f" (saved as {saved_layout}, now {layout})" if saved_layout != layout else "",
         )
         changes = changes_since(descriptor, cfg)
         if changes:
-            step = descriptor["step"]
-            log.warning("resumed with settings changed since step %d: %s", step, "; ".join(changes))
+            log.warning("resumed with settings changed since step %s: %s", step, "; ".join(changes))
         if cfg.checkpoint.init_from:
             log.info("checkpoint.init_from is read only when a run starts: this one resumes")
         return descriptor
