@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megascale.config import JobConfig, fail
+from megascale.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend  # the type of init_device_mesh's backend options
-from megascale.errors import ConfigError
 
 # Mesh dimensions outermost first, by parallel.rank_order (named innermost first, like the rank numbering
 # reads: adjacent ranks differ in the first-named dimension). dp_replicate and dp_shard stay adjacent.
