@@ -49,7 +49,7 @@ from megascale.checkpoint.manifest import (
     verify,
 )
 from megascale.checkpoint.persist import PERSISTER, mark_ready, node_name, pending, persist, staging_root
-from megascale.checkpoint.resume import changes_since, check_resumable
+from megascale.checkpoint.resume import changes_since, check_resumable, init_from_path
 from megascale.checkpoint.snapshot import SnapshotBuffer, flatten, rebuild, split_leaves
 from megascale.checkpoint.stateful import ModelState
 from megascale.config import JobConfig
@@ -490,8 +490,7 @@ class Checkpointer:
                 check_not_lost(self.ledger, self.root)
             if _is_main():
                 record_start(self.ledger, self.root)
-        if cfg.checkpoint.init_from:
-            init_from = str(Path(cfg.checkpoint.init_from).expanduser())
+        if (init_from := init_from_path(cfg)) is not None:
             load_checkpoint(init_from, {"model": state["model"]})
             log.info("initialised the model from %s", init_from)
 

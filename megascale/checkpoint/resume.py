@@ -36,14 +36,18 @@ REPORTED_CHANGES = (
 )
 
 
+def init_from_path(cfg: JobConfig) -> str | None:
+    """checkpoint.init_from with `~` expanded, or None when unset."""
+    return str(Path(cfg.checkpoint.init_from).expanduser()) if cfg.checkpoint.init_from else None
+
+
 def check_before_start(cfg: JobConfig, root: str) -> None:
     """Before any process group starts or any file is written: the newest checkpoint under `root` (when
     the run resumes) or `checkpoint.init_from` (when it starts afresh) fits this config."""
     committed = list_checkpoints(root) if cfg.checkpoint.resume else []
     if committed:
         check_resumable(committed[-1][1], read_manifest(committed[-1][1]), cfg)
-    elif cfg.checkpoint.init_from:
-        init_from = str(Path(cfg.checkpoint.init_from).expanduser())
+    elif (init_from := init_from_path(cfg)) is not None:
         check_model_matches(init_from, read_manifest(init_from), cfg.model)
 
 

@@ -20,11 +20,14 @@ def _mlp_params(cfg: ModelConfig, hidden: int) -> int:
     return (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * hidden
 
 
+def _attention_params(cfg: ModelConfig) -> int:
+    head_dim = cfg.dim // cfg.attention.n_heads
+    return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
+
+
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
     """Weights of one dense block's linear layers (q, k, v, o and the MLP)."""
-    head_dim = cfg.dim // cfg.attention.n_heads
-    attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
-    return attention + _mlp_params(cfg, ffn_dim_of(cfg))
+    return _attention_params(cfg) + _mlp_params(cfg, ffn_dim_of(cfg))
 
 
 def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
@@ -36,8 +39,7 @@ def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
         return cfg.n_layers * dense
     expert = _mlp_params(cfg, expert_dim_of(cfg))
     routed = moe.top_k if active else moe.experts
-    moe_layer = dense - _mlp_params(cfg, ffn_dim_of(cfg)) + cfg.dim * moe.experts
-    moe_layer += (routed + moe.shared_experts) * expert
+    moe_layer = _attention_params(cfg) + cfg.dim * moe.experts + (routed + moe.shared_experts) * expert
     return moe.dense_layers * dense + (cfg.n_layers - moe.dense_layers) * moe_layer
 
 

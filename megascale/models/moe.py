@@ -35,7 +35,8 @@ from torch import nn
 from megascale.config import ModelConfig
 from megascale.models.feed_forward import FeedForward, ffn_dim_of
 
-_step: dict[str, Any] | None = None  # set inside `training_step`: the micro-batch forwards of a step
+# Inside `training_step` (the micro-batch forwards of a step): the auxiliary losses' weight; else None.
+_aux_loss_scale: float | None = None
 
 
 @contextlib.contextmanager
@@ -45,12 +46,12 @@ def training_step(aux_loss_scale: float = 1.0) -> Iterator[None]:
     caller divides the main loss by the number of micro-batches before its backward, 1 where the gradients
     are divided afterwards. Forwards outside (evaluation; a pipeline schedule's shape inference) count
     nothing and add no auxiliary loss."""
-    global _step
-    previous, _step = _step, {"aux_loss_scale": aux_loss_scale}
+    global _aux_loss_scale
+    previous, _aux_loss_scale = _aux_loss_scale, aux_loss_scale
     try:
         yield
     finally:
-        _step = previous
+        _aux_loss_scale = previous
 
 
 class AuxLoss(torch.autograd.Function):
@@ -166,7 +167,7 @@ class MoE(nn.Module):
         output = output.view(batch, seq, dim).to(x.dtype)
         if self.shared is not None:
             output = output + self.shared(x)
-        if _step is None or not self.training:
+        if _aux_loss_scale is None or not self.training:
             return output
         # Counted once per forward: not again when activation checkpointing recomputes it in the backward.
         if torch._C._current_graph_task_id() == -1:
@@ -175,7 +176,7 @@ class MoE(nn.Module):
                 self.dropped += slots.numel() - order.numel()
         if self.aux_loss_coeff and torch.is_grad_enabled():  # the recomputation builds the same graph
             loss = self.balance_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1))
-            output = AuxLoss.apply(output, loss, self.aux_loss_coeff * _step["aux_loss_scale"])
+            output = AuxLoss.apply(output, loss, self.aux_loss_coeff * _aux_loss_scale)
         return output
 
     def _within_capacity(

@@ -257,12 +257,13 @@ class ParallelDims:
             raise RuntimeError(f"ParallelDims.mesh: build_mesh has not run for {self.describe()}")
         return self._mesh
 
-    def sub_mesh(self, name: str) -> DeviceMesh:
-        """One dimension of the mesh ('pp', 'dp_replicate', 'dp_shard' or 'tp'); multi-process jobs only."""
+    def sub_mesh(self, *names: str) -> DeviceMesh:
+        """The mesh over some of its dimensions ('pp', 'dp_replicate', 'dp_shard', 'tp'), in mesh order;
+        multi-process jobs only."""
         mesh = self.mesh
         if mesh is None:
-            raise RuntimeError(f"ParallelDims.sub_mesh({name!r}): a one-process job has no mesh")
-        return mesh[name]
+            raise RuntimeError(f"ParallelDims.sub_mesh{names}: a one-process job has no mesh")
+        return mesh[names[0] if len(names) == 1 else names]
 
     @staticmethod
     def _mesh_of_own_groups(
@@ -326,7 +327,4 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP; replicas
         alone (dp_shard = 1) are HSDP with shards of one, which is plain data parallelism."""
-        mesh = self.mesh
-        if mesh is None:
-            raise RuntimeError("ParallelDims.fsdp_mesh: a one-process job has no mesh")
-        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        return self.sub_mesh(*(("dp_replicate",) if self.dp_replicate > 1 else ()), "dp_shard")
