@@ -14,9 +14,12 @@
 3. Recovery. `megascale launch` of a small 2-node x 2-process job; a rank is SIGKILLed at a step; from the
    events log: failure to detection, to restart, to the first step after recovery, and steps recomputed.
 
+With `--device cuda` the stall's state lives on the GPU (stage 1 is then a device-to-host copy) and the
+recovery run trains on it (`--layout 1x1`: NCCL puts one rank on one GPU).
 Prints one `name value` line per figure and writes them, with the machine, as JSON.
 
     python bench/checkpoint.py --gib 1 --rounds 3 --out bench/results/checkpoint.json
+    python bench/checkpoint.py --device cuda --layout 1x1 --parts stall,recovery --out gpu-checkpoint.json
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ def big_model(gib: float) -> nn.Module:
 
 
 # -- 1. stall ---------------------------------------------------------------------------------------------
-def stall(gib: float, rounds: int, directory: Path | None) -> tuple[dict, dict]:
-    model = big_model(gib)
+def stall(gib: float, rounds: int, directory: Path | None, device: torch.device) -> tuple[dict, dict]:
+    model = big_model(gib).to(device)
     state = {"model": ModelState(model)}
     with tempfile.TemporaryDirectory(dir=directory) as root:
         sync_root, staged_root = Path(root) / "sync", Path(root) / "two-stage"
@@ -165,9 +168,6 @@ SMALL_JOB = [
     "--training.val_every=1000",
     "--metrics.progress=false",
     "--metrics.tensorboard=false",
-    "--parallel.dp_shard=4",
-    "--resilience.nodes=2",
-    "--resilience.nproc_per_node=2",
     "--resilience.heartbeat_interval_s=0.5",
 ]
 
@@ -181,15 +181,22 @@ def _corpus(root: Path) -> Path:
     return root
 
 
-def recovery(steps: int, every: int, kill_step: int, directory: Path | None) -> dict:
+def recovery(
+    steps: int, every: int, kill_step: int, directory: Path | None, device: str, nodes: int, per_node: int
+) -> dict:
+    """`megascale launch` of `nodes` x `per_node` ranks (FSDP over all), the last rank SIGKILLed at a step."""
+    ranks = nodes * per_node
+    last = ranks - 1
     with tempfile.TemporaryDirectory(dir=directory) as root:
         corpus = _corpus(Path(root))
         run_dir = Path(root) / "run"
         command = [
             sys.executable, "-m", "megascale.cli", "launch", *SMALL_JOB,
             f"--data.source={corpus}", f"--data.cache_dir={root}/data", f"--training.run_dir={run_dir}",
-            f"--training.steps={steps}", f"--checkpoint.every={every}",
-            f"--resilience.inject=kill:rank=3:step={kill_step}",
+            f"--training.steps={steps}", f"--checkpoint.every={every}", f"--training.device={device}",
+            f"--parallel.dp_shard={ranks}", f"--resilience.nodes={nodes}",
+            f"--resilience.nproc_per_node={per_node}",
+            f"--resilience.inject=kill:rank={last}:step={kill_step}",
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=root)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -199,9 +206,8 @@ def recovery(steps: int, every: int, kill_step: int, directory: Path | None) -> 
             first.setdefault(event["event"], event)
         # The kill comes as step `kill_step` begins, right after the killed rank reported the step before.
         restarted = next(e["time"] for e in events if e["event"] == "start" and e["attempt"] == 1)
-        killed = max(
-            json.loads(path.read_text())["time"] for path in run_dir.glob("nodes/*/attempt-0/rank-3.json")
-        )
+        reports = run_dir.glob(f"nodes/*/attempt-0/rank-{last}.json")
+        killed = max(json.loads(path.read_text())["time"] for path in reports)
     return {
         "kill_step": kill_step,
         "checkpoint_every": every,
@@ -222,14 +228,31 @@ def main() -> None:
     parser.add_argument(
         "--dir", type=Path, default=None, help="Disk directory for checkpoints (default: temp)."
     )
+    parser.add_argument("--device", default="cpu", help="Where the stall's state and the recovery run live.")
+    parser.add_argument(
+        "--layout", default="2x2", help="Nodes x processes per node of the recovery run (1x1 on one GPU)."
+    )
+    parser.add_argument("--parts", default="stall,read,recovery", help="Which of the three to run.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/checkpoint.json"))
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    nodes, per_node = (int(count) for count in args.layout.split("x"))
 
-    figures, rounds = stall(args.gib, args.rounds, args.dir)
-    figures |= recovery_read(args.read_gib, args.ranks, args.dir)
-    figures |= recovery(steps=12, every=4, kill_step=args.kill_step, directory=args.dir)
-    for name, value in figures.items():
-        print(f"{name} {value:.3f}" if isinstance(value, float) else f"{name} {value}")
+    figures: dict = {}
+    rounds: dict = {}
+
+    def report(part_figures: dict) -> None:  # each part's lines as soon as it is done
+        figures.update(part_figures)
+        for name, value in part_figures.items():
+            print(f"{name} {value:.3f}" if isinstance(value, float) else f"{name} {value}", flush=True)
+
+    if "stall" in parts:
+        stalled, rounds = stall(args.gib, args.rounds, args.dir, torch.device(args.device))
+        report(stalled)
+    if "read" in parts:
+        report(recovery_read(args.read_gib, args.ranks, args.dir))
+    if "recovery" in parts:
+        report(recovery(12, 4, args.kill_step, args.dir, args.device, nodes, per_node))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -237,6 +260,7 @@ def main() -> None:
             "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "device": args.device,
         },
         "rounds": rounds,
         **figures,

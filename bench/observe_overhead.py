@@ -1,7 +1,7 @@
 """What observing costs and what aligned garbage collection buys, each side by side in one run.
 
-Two training processes (FSDP over 2 ranks, gloo) each build megascale's real `Trainer` and run steps by
-hand in alternating blocks, so both modes see the same model state, data and machine noise:
+Training processes (by default two, FSDP over both, gloo) each build megascale's real `Trainer` and run
+steps by hand in alternating blocks, so both modes see the same model state, data and machine noise:
 
 - timeline: recording (phase spans, collective and wait spans, the stragglers' compute slot) against not,
   in short alternating blocks (`--timeline-block-steps`). At the end of each recording block the trace is
@@ -20,9 +20,12 @@ hand in alternating blocks, so both modes see the same model state, data and mac
   loop on CPU allocates too little for the collector to matter. Reports the mean, standard deviation and
   99th percentile of step times in each mode.
 
+With `--device cuda --ranks 1` the timeline's spans come from device events (`torch.Event`), read by the
+flush thread, never synchronising the step.
 Prints one `name value` line per figure and writes them, with the machine, as JSON.
 
     python bench/observe_overhead.py --out bench/results/observe_overhead.json
+    python bench/observe_overhead.py --device cuda --ranks 1 --parts timeline --out gpu-observe.json
 """
 
 from __future__ import annotations
@@ -52,11 +55,9 @@ MODEL = [
     "--data.seq_len=128",
     "--training.global_batch_size=16",
     "--training.micro_batch_size=4",
-    "--parallel.dp_shard=2",
     "--checkpoint.enabled=false",
     "--metrics.progress=false",
     "--metrics.tensorboard=false",
-    "--training.device=cpu",
     "--training.threads=1",
 ]
 
@@ -79,7 +80,13 @@ def rank_main(rank: int, world: int, port: int, run_dir: str, part: str, args: d
     from megascale.trainer import Trainer
 
     blocks, block_steps = args["blocks"], args["block_steps"]
-    overrides = [*MODEL, f"--training.run_dir={run_dir}", "--training.steps=100000"]
+    overrides = [
+        *MODEL,
+        f"--parallel.dp_shard={world}",
+        f"--training.device={args['device']}",
+        f"--training.run_dir={run_dir}",
+        "--training.steps=100000",
+    ]
     trainer = Trainer(load_config(overrides=overrides))
     recording, silent = trainer.timeline, Timeline.disabled()
     if part == "timeline":
@@ -128,8 +135,8 @@ def run_part(part: str, args: argparse.Namespace, tmp: str) -> dict[str, dict[st
     result_file = os.path.join(tmp, f"{part}.json")
     mp.start_processes(
         rank_main,
-        args=(2, free_port("127.0.0.1"), os.path.join(tmp, part), part, vars(args), result_file),
-        nprocs=2,
+        args=(args.ranks, free_port("127.0.0.1"), os.path.join(tmp, part), part, vars(args), result_file),
+        nprocs=args.ranks,
         start_method="spawn",
     )
     return json.loads(Path(result_file).read_text())
@@ -144,12 +151,17 @@ def main() -> int:
     parser.add_argument("--heap", type=int, default=1_000_000, help="Python objects per rank at start (gc).")
     parser.add_argument("--grow", type=int, default=20_000, help="Python objects added per step (gc).")
     parser.add_argument("--gc-every", type=int, default=10, help="Steps between aligned collections (gc).")
+    parser.add_argument("--device", default="cpu", help="training.device of every rank ('cuda': --ranks 1).")
+    parser.add_argument("--ranks", type=int, default=2, help="Training processes (FSDP over all of them).")
+    parser.add_argument("--parts", default="timeline,gc", help="Which of the two to run.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/observe_overhead.json"))
     args = parser.parse_args()
+    parts = args.parts.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        timeline, collector = run_part("timeline", args, tmp), run_part("gc", args, tmp)
+        timeline = run_part("timeline", args, tmp) if "timeline" in parts else None
+        collector = run_part("gc", args, tmp) if "gc" in parts else None
     figures = {}
-    for clock in ("wall", "cpu"):
+    for clock in ("wall", "cpu") if timeline else ():
         on = [sum(block) for block in timeline[clock]["on"]]
         off = [sum(block) for block in timeline[clock]["off"]]
         ratios = [a / b for a, b in zip(on, off)] + [a / b for a, b in zip(on[1:], off)]  # both neighbours
@@ -157,14 +169,14 @@ def main() -> int:
         figures[f"timeline_{clock}_step_on_s"] = round(statistics.median(on) / steps, 5)
         figures[f"timeline_{clock}_step_off_s"] = round(statistics.median(off) / steps, 5)
         figures[f"timeline_{clock}_overhead_ratio"] = round(statistics.median(ratios), 4)
-    for mode, blocks in collector["wall"].items():
+    for mode, blocks in collector["wall"].items() if collector else ():
         steps = sorted(step for block in blocks for step in block)
         figures[f"gc_{mode}_step_time_mean_s"] = round(statistics.mean(steps), 5)
         figures[f"gc_{mode}_step_time_std_s"] = round(statistics.stdev(steps), 5)
         figures[f"gc_{mode}_step_time_p99_s"] = round(steps[int(0.99 * (len(steps) - 1))], 5)
     for name, value in figures.items():
         print(f"{name} {value}")
-    setup = {"processes": 2, "layout": "dp_shard 2 (FSDP)", "model": MODEL, **vars(args)}
+    setup = {"layout": f"dp_shard {args.ranks} (FSDP)", "model": MODEL, **vars(args)}
     save_record(args.out, figures, setup)
     return 0
 

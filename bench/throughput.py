@@ -8,10 +8,13 @@ autocast, AdamW with the same hyperparameters, `clip_grad_norm_` with the same m
 warm-up, timed steps alternate between the two (ours, HF, HF, ours, ...) so machine noise hits both alike;
 tokens/s come from median step times, and the ratio is the median of the back-to-back pairs' ratios.
 MFU is model FLOPs per second (megascale.models.flops) over this CPU's measured matmul peak
-(`megascale calibrate`), not over a vendor figure. Prints one `name value` line per figure (progress goes
+(`megascale calibrate`), or on an accelerator over its vendor dense peak; on CUDA each side's step peak
+memory above the resident state is reported too. Prints one `name value` line per figure (progress goes
 to stderr) and writes them all, with the machine, as JSON.
 
     python bench/throughput.py --out bench/results/throughput.json
+    python bench/throughput.py --device cuda --compile --models 1b --dtypes bfloat16 \
+        --set data.source=corpus.txt --out bench/results/throughput-h100.json
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import transformers
 from megascale.config import JobConfig, ModelConfig, load_config
 from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.flops import flops_per_token, num_params
-from megascale.observe.peak import calibrate, cpu_model
+from megascale.observe.peak import calibrate, cpu_model, device_name, peak_for
 from megascale.trainer import Trainer
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -44,26 +47,43 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MODELS = {
     "default": ("default.toml", []),
     "50m": ("llama-50m.toml", ["--data.tokenizer=byte"]),
+    # The GPU checklist's ~1B Llama: dim 2048, 16 layers, 16 query / 8 key-value heads, sequences of 2048.
+    "1b": (
+        "llama-50m.toml",
+        [
+            "--data.tokenizer=byte",
+            "--model.dim=2048",
+            "--model.n_layers=16",
+            "--model.attention.n_heads=16",
+            "--model.attention.n_kv_heads=8",
+            "--model.max_seq_len=2048",
+            "--data.seq_len=2048",
+            "--training.global_batch_size=8",
+            "--training.micro_batch_size=8",
+        ],
+    ),
 }
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 
 log = logging.getLogger("bench.throughput")
 
 
-def build_trainer(model: str, dtype: str, threads: int, run_dir: str) -> Trainer:
+def build_trainer(model: str, dtype: str, bench: argparse.Namespace, run_dir: str) -> Trainer:
     """megascale's Trainer for `model` in `dtype`, writing nothing but its log into `run_dir`."""
     config_file, extra = MODELS[model]
     overrides = [
         f"--training.run_dir={run_dir}",
         f"--training.dtype={dtype}",
-        f"--training.threads={threads}",
-        "--training.device=cpu",
+        f"--training.threads={bench.threads}",
+        f"--training.device={bench.device}",
+        f"--training.compile={str(bench.compile).lower()}",
         "--checkpoint.enabled=false",
         "--checkpoint.resume=false",
         "--metrics.progress=false",
         "--metrics.tensorboard=false",
         "--metrics.jsonl=false",
         *extra,
+        *(f"--{override}" for override in bench.set),
     ]
     return Trainer(load_config(CONFIG_DIR / config_file, overrides))
 
@@ -89,10 +109,11 @@ def hf_config(model: ModelConfig) -> transformers.LlamaConfig:
 class HFLoop:
     """A plain training loop around LlamaForCausalLM doing the same work per step as `Trainer.train_step`."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, device: torch.device, compile_model: bool):
         training, optim = cfg.training, cfg.optim
         torch.manual_seed(training.seed)
-        self.model = transformers.LlamaForCausalLM(hf_config(cfg.model))
+        self.device = device
+        self.model = transformers.LlamaForCausalLM(hf_config(cfg.model)).to(device)
         self.model.train()
         hf_params = sum(p.numel() for p in self.model.parameters())
         if hf_params != num_params(cfg.model):
@@ -103,38 +124,41 @@ class HFLoop:
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
+        # Fused, as megascale.optim builds it.
         self.optimizer = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
+            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True
         )
+        self.forward = torch.compile(self.model) if compile_model else self.model
         self.max_grad_norm = optim.grad_clip
         self.autocast_dtype = torch.bfloat16 if training.dtype == "bfloat16" else None
         generator = torch.Generator().manual_seed(training.seed)
         shape = (training.micro_batch_size, cfg.data.seq_len)
         accumulation = training.global_batch_size // training.micro_batch_size
         self.micro_batches = [
-            torch.randint(cfg.model.vocab_size, shape, generator=generator) for _ in range(accumulation)
+            torch.randint(cfg.model.vocab_size, shape, generator=generator).to(device)
+            for _ in range(accumulation)
         ]
 
     def train_step(self) -> float:
         """One optimizer step over all micro-batches; returns its wall time in seconds."""
         started = time.perf_counter()
-        total_loss = torch.zeros(())
+        total_loss = torch.zeros((), device=self.device)
         for tokens in self.micro_batches:
             with self._autocast():
-                loss = self.model(input_ids=tokens, labels=tokens).loss / len(self.micro_batches)
+                loss = self.forward(input_ids=tokens, labels=tokens).loss / len(self.micro_batches)
             loss.backward()
             total_loss += loss.detach()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss.item()
+        total_loss.item()  # waits for the device
         return time.perf_counter() - started
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
 def alternate(
@@ -153,23 +177,65 @@ def alternate(
     return times_s
 
 
-def measure(model: str, dtype: str, threads: int, warmup: int, steps: int) -> dict[str, Any]:
+class StepMemory:
+    """On CUDA: each timer's largest step peak above the memory held when its step began (activations and
+    transients; the weights and optimizer state of both models stay resident throughout)."""
+
+    def __init__(self, device: torch.device):
+        self.on_cuda = device.type == "cuda"  # torch.cuda only behind this check
+        self.peak_gib: dict[str, float] = {}
+
+    def wrap(self, name: str, timer: Callable[[], float]) -> Callable[[], float]:
+        if not self.on_cuda:
+            return timer
+
+        def timed() -> float:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
+            elapsed_s = timer()
+            above = (torch.cuda.max_memory_allocated() - held) / 2**30
+            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), above)
+            return elapsed_s
+
+        return timed
+
+
+def peak_tflops_of(device: torch.device, dtype: str, threads: int) -> float:
+    """The MFU denominator: a known accelerator's vendor figure, else this CPU's measured matmul peak."""
+    if device.type == "cpu":
+        return calibrate(dtype, threads)
+    peak = peak_for(device, dtype, threads, None)
+    if peak is None:
+        raise SystemExit(f"no peak FLOP/s known for {device_name(device)} in {dtype}")
+    return peak.tflops
+
+
+def measure(model: str, dtype: str, bench: argparse.Namespace) -> dict[str, Any]:
     """Median step times of megascale's Trainer and the HF loop, measured alternately in one process."""
     case = f"{model}_{DTYPE_LABELS[dtype]}"
     with tempfile.TemporaryDirectory(prefix="megascale-bench-") as run_dir:
-        trainer = build_trainer(model, dtype, threads, run_dir)
+        trainer = build_trainer(model, dtype, bench, run_dir)
         cfg = trainer.cfg
-        hf = HFLoop(cfg)
-        timers = {"megascale": lambda: trainer.train_step().step_time_s, "hf": hf.train_step}
-        times_s = alternate(timers, warmup, steps, case)
+        hf = HFLoop(cfg, trainer.device, bench.compile)
+        memory = StepMemory(trainer.device)
+        timers = {
+            "megascale": memory.wrap("megascale", lambda: trainer.train_step().step_time_s),
+            "hf": memory.wrap("hf", hf.train_step),
+        }
+        times_s = alternate(timers, bench.warmup, bench.steps, case)
+        device = trainer.device
+        trainer.close()
     tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak_tflops = calibrate(dtype, threads)
+    peak_tflops = peak_tflops_of(device, dtype, bench.threads)
     figures: dict[str, float] = {}
     for name, samples in times_s.items():
         tokens_per_s = tokens_per_step / statistics.median(samples)
         figures[f"{case}_{name}_tokens_per_s"] = tokens_per_s
         figures[f"{case}_{name}_mfu"] = tokens_per_s * flops / (peak_tflops * 1e12)
+        if name in memory.peak_gib:
+            figures[f"{case}_{name}_step_peak_gib"] = memory.peak_gib[name]
     # The ratio is the median over back-to-back pairs of steps (ours, HF): each pair sees the same machine
     # load, so slow drifts in the shared machine's speed cancel; the quartiles show how far noise moves it.
     pair_ratios = [hf_s / ours_s for ours_s, hf_s in zip(times_s["megascale"], times_s["hf"])]
@@ -185,7 +251,7 @@ def measure(model: str, dtype: str, threads: int, warmup: int, steps: int) -> di
         "global_batch_size": cfg.training.global_batch_size,
         "micro_batch_size": cfg.training.micro_batch_size,
         "seq_len": cfg.data.seq_len,
-        "peak_tflops_measured": peak_tflops,
+        "peak_tflops": peak_tflops,
     }
     return {"figures": figures, "shape": shape, "step_times_s": times_s}
 
@@ -204,6 +270,15 @@ def main() -> None:
     parser.add_argument("--models", default="default,50m", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, of float32, bfloat16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
+    parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', ... (training.device) for both")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for megascale, e.g. data.source=corpus",
+    )
     args = parser.parse_args()
     models, dtypes = args.models.split(","), args.dtypes.split(",")
     for chosen, allowed in ((models, MODELS), (dtypes, DTYPE_LABELS)):
@@ -216,14 +291,17 @@ def main() -> None:
     started_s = time.perf_counter()
     figures: dict[str, float] = {}
     cases: dict[str, Any] = {}
+    device = torch.device(args.device)
     for dtype in dtypes:
-        # The denominator of every MFU below: this CPU's matmul peak, measured once and cached.
-        name = f"peak_{DTYPE_LABELS[dtype]}_measured_tflops"
-        figures[name] = calibrate(dtype, args.threads)
+        # The denominator of every MFU below: this CPU's matmul peak (measured once and cached), or the
+        # accelerator's vendor figure.
+        source = "measured" if device.type == "cpu" else "vendor"
+        name = f"peak_{DTYPE_LABELS[dtype]}_{source}_tflops"
+        figures[name] = peak_tflops_of(device, dtype, args.threads)
         write_figure(name, figures[name])
     for model in models:
         for dtype in dtypes:
-            result = measure(model, dtype, args.threads, args.warmup, args.steps)
+            result = measure(model, dtype, args)
             cases[f"{model}_{DTYPE_LABELS[dtype]}"] = {
                 "shape": result["shape"],
                 "step_times_s": result["step_times_s"],
@@ -236,6 +314,7 @@ def main() -> None:
 
     machine = {
         "cpu": cpu_model(),
+        "device": device_name(device),
         "threads": args.threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -245,7 +324,11 @@ def main() -> None:
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "statistic": "tokens/s from median step times; ratio = median of back-to-back pair ratios",
-        "mfu_relative_to": "measured CPU matmul peak (megascale calibrate), per dtype",
+        "mfu_relative_to": "measured CPU matmul peak (megascale calibrate), per dtype"
+        if device.type == "cpu"
+        else "the accelerator's vendor dense peak (megascale.observe.peak), per dtype",
+        "compile": args.compile,
+        "overrides": args.set,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine, "settings": settings, "cases": cases, "results": figures}

@@ -12,8 +12,8 @@ restarted process with the same layout recovers the snapshot from it (`restore`)
 (`DefaultStager` with shared memory) copy into anonymous shared memory that dies with the process, and
 serialise once per save; that is why this is not them.
 
-On CUDA the copy goes device-to-host into this pageable buffer (untested here: no GPU; registering the
-buffer as pinned memory would make it asynchronous).
+On CUDA the copy goes device-to-host into this pageable buffer: 1 GiB in 0.076 s on an H100
+(docs/gpu.md). Registering the buffer as pinned memory would make it asynchronous.
 """
 
 from __future__ import annotations

@@ -332,6 +332,8 @@ def _wrap_wait(original: Any) -> Any:
 
 def _install() -> None:
     for name, size_arg in COLLECTIVES.items():
+        if not hasattr(distributed_c10d, name):  # *_single arrived in torch 2.13; older FSDP2 uses *_tensor
+            continue
         wrapped = _wrap_collective(name, size_arg, getattr(distributed_c10d, name))
         setattr(distributed_c10d, name, wrapped)
         setattr(dist, name, wrapped)
@@ -342,6 +344,8 @@ def _install() -> None:
     wrapped = _wrap_batch_p2p(distributed_c10d.batch_isend_irecv)
     distributed_c10d.batch_isend_irecv = dist.batch_isend_irecv = wrapped
     for name, size_arg in FUNCTIONAL.items():
+        if not hasattr(funcol, name):
+            continue
         setattr(funcol, name, _wrap_functional(name, size_arg, getattr(funcol, name)))
     funcol.wait_tensor = _wrap_functional_wait(funcol.wait_tensor)
     work_class = torch._C._distributed_c10d.Work

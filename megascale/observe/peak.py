@@ -20,7 +20,8 @@ import torch
 
 # Dense peak TFLOP/s by (device-name substring, dtype). Sources: NVIDIA A100 datasheet (bf16 312, tf32 156),
 # H100 SXM5 datasheet (bf16 989, tf32 494), H800 SXM (same tensor cores as H100 SXM), H200 datasheet (989).
-# float32 matmuls run as TF32 on these GPUs when torch allows it, which megascale does.
+# The float32 rows are the TF32 peaks; megascale leaves TF32 off (torch's default), so a float32 run's
+# MFU on these GPUs reads low.
 PEAK_TFLOPS: dict[tuple[str, str], float] = {
     ("A100", "bfloat16"): 312.0,
     ("A100", "float32"): 156.0,

@@ -156,3 +156,29 @@ def test_tensor_parallel_waits_count_as_exposed_communication(tmp_path):
     assert [e["name"] for e in events if e["name"].startswith("wait")] == ["wait all_gather_single"]
     (wait,) = [e for e in events if e["name"].startswith("wait")]
     assert wait["args"]["bytes"] == 16 and wait["dur"] > 200_000
+
+
+def test_recording_installs_on_a_torch_without_the_single_tensor_collectives(tmp_path):
+    """torch 2.11 has no `all_gather_single`/`reduce_scatter_single` (2.13's FSDP2 names): the recorder
+    wraps the collectives that exist and leaves the rest out (a fresh interpreter: it installs once)."""
+    script = f"""
+import pathlib
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import distributed_c10d
+for module in (distributed_c10d, dist, funcol):
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(module, name):
+            delattr(module, name)
+from megascale.observe.collectives import record_collectives
+from megascale.observe.timeline import Timeline
+original = dist.all_reduce
+timeline = Timeline(pathlib.Path({str(tmp_path)!r}), rank=0, coords={{}})
+record_collectives(timeline)
+assert dist.all_reduce is not original, "all_reduce not wrapped"
+assert not hasattr(dist, "all_gather_single")
+record_collectives(None)
+timeline.close()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
