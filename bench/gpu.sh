@@ -56,7 +56,7 @@ if [ -n "$corpus" ]; then
 fi
 
 # 2. MFU of a ~1B Llama against Hugging Face's, side by side, compiled, bf16.
-part throughput 200 python3 bench/throughput.py --device cuda --compile --models 1b --dtypes bfloat16 \
+part throughput 200 python3 bench/throughput.py --device cuda --compile --hf-fused --models 1b --dtypes bfloat16 \
     --steps 10 --warmup 3 ${corpus:+--set data.source="$corpus"} --out "$out/throughput.json"
 
 # 5. The MoE layer's grouped GEMM on the GPU.

@@ -13,7 +13,7 @@ memory above the resident state is reported too. Prints one `name value` line pe
 to stderr) and writes them all, with the machine, as JSON.
 
     python bench/throughput.py --out bench/results/throughput.json
-    python bench/throughput.py --device cuda --compile --models 1b --dtypes bfloat16 \
+    python bench/throughput.py --device cuda --compile --hf-fused --models 1b --dtypes bfloat16 \
         --set data.source=corpus.txt --out bench/results/throughput-h100.json
 """
 
@@ -109,7 +109,7 @@ def hf_config(model: ModelConfig) -> transformers.LlamaConfig:
 class HFLoop:
     """A plain training loop around LlamaForCausalLM doing the same work per step as `Trainer.train_step`."""
 
-    def __init__(self, cfg: JobConfig, device: torch.device, compile_model: bool):
+    def __init__(self, cfg: JobConfig, device: torch.device, compile_model: bool, fused: bool):
         training, optim = cfg.training, cfg.optim
         torch.manual_seed(training.seed)
         self.device = device
@@ -124,9 +124,9 @@ class HFLoop:
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
-        # Fused, as megascale.optim builds it.
+        # torch's default implementation (foreach), as a plain loop has it, or fused as megascale's.
         self.optimizer = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True
+            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused or None
         )
         self.forward = torch.compile(self.model) if compile_model else self.model
         self.max_grad_norm = optim.grad_clip
@@ -217,7 +217,7 @@ def measure(model: str, dtype: str, bench: argparse.Namespace) -> dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="megascale-bench-") as run_dir:
         trainer = build_trainer(model, dtype, bench, run_dir)
         cfg = trainer.cfg
-        hf = HFLoop(cfg, trainer.device, bench.compile)
+        hf = HFLoop(cfg, trainer.device, bench.compile, bench.hf_fused)
         memory = StepMemory(trainer.device)
         timers = {
             "megascale": memory.wrap("megascale", lambda: trainer.train_step().step_time_s),
@@ -272,6 +272,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', ... (training.device) for both")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--hf-fused", action="store_true", help="fused AdamW for Hugging Face's loop too")
     parser.add_argument(
         "--set",
         action="append",
@@ -328,6 +329,7 @@ def main() -> None:
         if device.type == "cpu"
         else "the accelerator's vendor dense peak (megascale.observe.peak), per dtype",
         "compile": args.compile,
+        "hf_fused_adamw": args.hf_fused,
         "overrides": args.set,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.dp_replicate", (1, 2)),
     Knob("parallel.dp_shard", (1, 2)),
     Knob("parallel.tp", (1, 2)),
+    Knob("parallel.ep", (1, 2), lambda row: _moe(row) and row["parallel.dp_shard"] > 1),
     Knob("parallel.pp", (1, 2)),
     Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe"), _pp),
     Knob(

@@ -47,6 +47,13 @@ class ParallelConfig:
         ge=-1,
     )
     tp: int = option(1, "Tensor-parallel degree; keep it within a node (fastest links).", ge=1)
+    ep: int = option(
+        1,
+        "Expert-parallel degree (MoE models): the routed experts are split over ep of the dp_shard ranks "
+        "and each token slot is sent to its expert's rank by all-to-all; must divide dp_shard and "
+        "model.moe.experts. The experts' weights are sharded by FSDP over the remaining dp_shard / ep.",
+        ge=1,
+    )
     pp: int = option(1, "Pipeline-parallel stages.", ge=1)
     sequence_parallel: bool = option(
         True, "With tp > 1, also shard norms and the residual stream along the sequence (Megatron SP)."

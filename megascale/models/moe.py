@@ -118,17 +118,25 @@ class GroupedExperts(nn.Module):
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [slots, dim], sorted by expert, `counts[e]` slots for expert e -> [slots, dim]."""
-        ends = counts.cumsum(0).to(torch.int32)
-        device = x.device.type
-        # Autocast does not cover the grouped GEMM: its operands are cast here as autocast casts a matmul's.
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.w1.dtype
+        return grouped_mlp(x, counts, self.w1, self.w3, self.w2)
 
-        def grouped(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return torch._grouped_mm(inputs.to(dtype), weight.to(dtype), offs=ends)
 
-        up = grouped(x, self.w1)
-        middle = F.silu(up) * grouped(x, self.w3) if self.w3 is not None else F.gelu(up, approximate="tanh")
-        return grouped(middle, self.w2)
+def grouped_mlp(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor
+) -> torch.Tensor:
+    """Experts' MLPs (SwiGLU with `w3`, else GeLU) on slots `x` sorted by expert, `counts[e]` for expert e,
+    with stacked weights w1, w3 [experts, dim, hidden] and w2 [experts, hidden, dim]."""
+    ends = counts.cumsum(0).to(torch.int32)
+    device = x.device.type
+    # Autocast does not cover the grouped GEMM: its operands are cast here as autocast casts a matmul's.
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype
+
+    def grouped(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(inputs.to(dtype), weight.to(dtype), offs=ends)
+
+    up = grouped(x, w1)
+    middle = F.silu(up) * grouped(x, w3) if w3 is not None else F.gelu(up, approximate="tanh")
+    return grouped(middle, w2)
 
 
 class MoE(nn.Module):

@@ -53,8 +53,10 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
     rank_order: str = "tp-dp-pp"
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -67,7 +69,12 @@ class ParallelDims:
                 fail("parallel pp x dp_replicate x tp", fixed, f"does not divide the world size {world_size}")
             dp_shard = world_size // fixed
         dims = cls(
-            pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, rank_order=par.rank_order
+            pp=par.pp,
+            dp_replicate=par.dp_replicate,
+            dp_shard=dp_shard,
+            tp=par.tp,
+            ep=par.ep,
+            rank_order=par.rank_order,
         )
         dims.validate(cfg, world_size)
         return dims
@@ -85,8 +92,9 @@ class ParallelDims:
         """The layout in one phrase, e.g. 'pp 2 x dp 1x2 x tp 2 = 8 processes'."""
         if self.world_size == 1:
             return "1 process"
+        experts = f" (experts over ep {self.ep})" if self.ep > 1 else ""
         return (
-            f"pp {self.pp} x dp {self.dp_replicate}x{self.dp_shard} x tp {self.tp} = "
+            f"pp {self.pp} x dp {self.dp_replicate}x{self.dp_shard}{experts} x tp {self.tp} = "
             f"{self.world_size} processes"
         )
 
@@ -99,6 +107,7 @@ class ParallelDims:
                 f"size {world_size}"
             )
         self._validate_tensor_parallel(cfg)
+        self._validate_expert_parallel(cfg)
         self._validate_pipeline(cfg)
         self._validate_batch(cfg)
 
@@ -141,6 +150,37 @@ class ParallelDims:
                 f"cannot be used with parallel.tp = {self.tp}: a compiled tensor-parallel block fails in "
                 "its backward (DTensor is handed a plain gradient; torch 2.13, found on CPU, untested on "
                 "GPU); set --training.compile=false",
+            )
+
+    def _validate_expert_parallel(self, cfg: JobConfig) -> None:
+        """Expert parallelism splits an MoE model's experts over a slice of the dp_shard ranks."""
+        if self.ep == 1:
+            return
+        experts = cfg.model.moe.experts
+        if not experts:
+            fail("parallel.ep", self.ep, "needs an MoE model (model.moe.experts > 0); set --parallel.ep=1")
+        if self.dp_shard % self.ep:
+            fail(
+                "parallel.ep",
+                self.ep,
+                f"does not divide parallel.dp_shard = {self.dp_shard} (the experts are split over dp_shard "
+                "ranks)",
+            )
+        if experts % self.ep:
+            fail("model.moe.experts", experts, f"is not divisible by parallel.ep = {self.ep}")
+        if self.dp_replicate > 1:
+            fail(
+                "parallel.ep",
+                self.ep,
+                f"cannot be used with parallel.dp_replicate = {self.dp_replicate}: the experts' weights "
+                "would need HSDP over a mesh of their own; shard instead (--parallel.dp_shard)",
+            )
+        if cfg.parallel.activation_checkpoint == "selective":
+            fail(
+                "parallel.activation_checkpoint",
+                "selective",
+                f"cannot be used with parallel.ep = {self.ep}: the experts' FSDP unit inside the block "
+                "runs other ops when recomputed than in the forward; use 'full' or 'none'",
             )
 
     def _validate_pipeline(self, cfg: JobConfig) -> None:
@@ -237,7 +277,20 @@ class ParallelDims:
         bound_device = dist.distributed_c10d._get_default_group().bound_device_id
         if barrier_free and bound_device is None:
             self._mesh = self._mesh_of_own_groups(device_type, names, shape, timeout)
-            return self._mesh
+        else:
+            self._mesh = self._torch_mesh(device_type, names, shape, timeout)
+        if self.ep > 1:
+            # This rank's dp_shard ranks as (edp, ep), ep innermost: an expert-parallel group is adjacent
+            # ranks (inside a node, where the all-to-all is cheapest).
+            ranks = self._mesh["dp_shard"].mesh.reshape(self.dp_shard // self.ep, self.ep)
+            self._expert_mesh = self._mesh_of_own_groups(device_type, ("edp", "ep"), ranks, timeout)
+        return self._mesh
+
+    @staticmethod
+    def _torch_mesh(
+        device_type: str, names: tuple[str, ...], shape: tuple[int, ...], timeout: timedelta | None
+    ) -> DeviceMesh:
+        """torch's `init_device_mesh`, every group bounded by `timeout`."""
         override: dict[int | str, str | Backend.Options | tuple[str, Backend.Options]] | None = None
         if timeout is not None and device_type == "cpu":
             options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in the stubs
@@ -247,7 +300,6 @@ class ParallelDims:
         if timeout is not None and device_type != "cpu":  # untested: no accelerator here
             for name in names:
                 dist.distributed_c10d._set_pg_timeout(timeout, mesh[name].get_group())
-        self._mesh = mesh
         return mesh
 
     @property
@@ -265,13 +317,27 @@ class ParallelDims:
             raise RuntimeError(f"ParallelDims.sub_mesh{names}: a one-process job has no mesh")
         return mesh[names[0] if len(names) == 1 else names]
 
+    def expert_mesh(self) -> DeviceMesh:
+        """The 2-D mesh (edp, ep) over this rank's dp_shard group: the experts are split over 'ep' and
+        their weights sharded by FSDP over 'edp'; jobs with ep > 1 only."""
+        if self._expert_mesh is None:
+            raise RuntimeError(f"ParallelDims.expert_mesh: no expert mesh for {self.describe()}")
+        return self._expert_mesh
+
     @staticmethod
     def _mesh_of_own_groups(
-        device_type: str, names: tuple[str, ...], shape: tuple[int, ...], timeout: timedelta | None
+        device_type: str,
+        names: tuple[str, ...],
+        shape_or_ranks: tuple[int, ...] | torch.Tensor,
+        timeout: timedelta | None,
     ) -> DeviceMesh:
         """This rank's group along each dimension (the ranks sharing all its other coordinates), created
-        by their members only, dimension by dimension, and wrapped as the mesh `init_device_mesh` builds."""
-        ranks = torch.arange(dist.get_world_size()).reshape(shape)
+        by their members only, dimension by dimension, and wrapped as the mesh `init_device_mesh` builds.
+        The mesh is over the whole world in the given shape, or over the given tensor of ranks."""
+        if isinstance(shape_or_ranks, torch.Tensor):
+            ranks = shape_or_ranks
+        else:
+            ranks = torch.arange(dist.get_world_size()).reshape(shape_or_ranks)
         coordinate = [int(index) for index in (ranks == dist.get_rank()).nonzero()[0]]
         on_cpu = device_type == "cpu"
         device_id = None if on_cpu else torch.device(device_type, torch.accelerator.current_device_index())

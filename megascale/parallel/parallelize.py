@@ -21,6 +21,7 @@ from megascale.parallel.activation import apply_activation_checkpointing
 from megascale.parallel.data import apply_fsdp
 from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
+from megascale.parallel.expert import apply_expert_parallel
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
 from megascale.parallel.step import ParallelModel, PipelinedModel
 from megascale.parallel.tensor import apply_tensor_parallel
@@ -39,9 +40,15 @@ def parallelize(
     """Collective over the whole mesh (`dims.mesh`): every rank calls it with an identical `model` (same
     weights). The result steps the model in this layout (parallel/step.py)."""
     # Without streams (CPU) FSDP2's reduce-scatters block; made asynchronous here (parallel/data.py), but
-    # not under a pipeline schedule: it scales the gradients as soon as FSDP2 has reduced them.
+    # not under a pipeline schedule: it scales the gradients as soon as FSDP2 has reduced them; nor with
+    # expert parallelism, whose experts are an FSDP unit inside each block's.
     async_reductions = (
-        par.overlap.dp and device.type == "cpu" and dims.dp > 1 and dims.dp_replicate == 1 and dims.pp == 1
+        par.overlap.dp
+        and device.type == "cpu"
+        and dims.dp > 1
+        and dims.dp_replicate == 1
+        and dims.pp == 1
+        and dims.ep == 1
     )
     reductions = GradientReductions() if async_reductions else None
     routed = any(isinstance(module, MoE) for module in model.modules())  # before a stage drops layers
@@ -123,7 +130,7 @@ def _shard(
     reductions: GradientReductions | None,
 ) -> None:
     """One model part, in place: tensor + sequence parallelism, activation checkpointing, per-block
-    compilation, FSDP."""
+    compilation, expert parallelism, FSDP."""
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
@@ -138,6 +145,8 @@ def _shard(
     if compile_blocks:
         for block in part.get_submodule(sharding.BLOCKS).children():
             block.compile()
+    if dims.ep > 1:
+        apply_expert_parallel(part, dims.expert_mesh(), reshard=par.zero_stage == 3)
     if dims.dp > 1:
         apply_fsdp(
             part,

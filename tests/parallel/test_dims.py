@@ -82,6 +82,27 @@ def test_dp_shard_takes_the_rest_of_the_world():
             ["--parallel.pp=2", "--parallel.pp_virtual_stages=4", "--parallel.pp_schedule=interleaved_1f1b"],
             "gives 8 stages, more than model.n_layers = 4",
         ),
+        (2, ["--parallel.ep=2"], "parallel.ep = 2 needs an MoE model (model.moe.experts > 0)"),
+        (
+            4,
+            ["--model.moe.experts=4", "--parallel.ep=3"],
+            "parallel.ep = 3 does not divide parallel.dp_shard = 4",
+        ),
+        (
+            6,
+            ["--model.moe.experts=4", "--parallel.ep=3", "--training.global_batch_size=6"],
+            "model.moe.experts = 4 is not divisible by parallel.ep = 3",
+        ),
+        (
+            4,
+            ["--model.moe.experts=4", "--parallel.ep=2", "--parallel.dp_replicate=2"],
+            "parallel.ep = 2 cannot be used with parallel.dp_replicate = 2",
+        ),
+        (
+            2,
+            ["--model.moe.experts=4", "--parallel.ep=2", "--parallel.activation_checkpoint=selective"],
+            "parallel.activation_checkpoint = 'selective' cannot be used with parallel.ep = 2",
+        ),
         (3, [], "training.global_batch_size = 8 is not divisible by the data-parallel degree 3"),
         (
             4,

@@ -1,0 +1,120 @@
+"""Expert parallelism (MegaScale-MoE's parallelism for the FFN): each MoE layer's routed experts are split
+over the 'ep' ranks of the expert mesh, and every token slot goes to its expert's rank and back by
+all-to-all.
+
+The MoE layer (models/moe.py) sorts its token slots by expert and hands them, with each expert's count, to
+its experts module. Under expert parallelism that module
+1. exchanges the per-expert counts with the other ep ranks (an all-to-all of `experts` integers),
+2. sends each rank the slots of its experts (an all-to-all with uneven splits; its backward sends the
+   gradients back the same way),
+3. regroups what arrived by local expert and computes it with one grouped GEMM per projection,
+4. returns the outputs to the slots' ranks, in the order they were sent.
+The router, the shared experts and the rest of the block are data-parallel as in a dense model.
+
+Weights: each stacked expert tensor [experts, ...] becomes a DTensor sharded on dim 0 over 'ep' (a
+checkpoint or an export sees the whole tensor) and is sharded again by FSDP over 'edp', the remaining
+dp_shard / ep ranks, in an FSDP unit of its own inside the block's. An expert's gradient is summed over
+the tokens of every ep rank (the all-to-all's backward brings them), so it is scaled by 1/ep before that
+unit's reduce-scatter averages it over edp: the mean over all data-parallel ranks' losses, as for every
+other gradient (FSDP2's gradient divide factor would do it in the reduce-scatter, but as a pre-multiplied
+sum, which gloo does not have).
+
+Why by hand: torch has the collectives and DTensor but no expert-parallel style (torchtitan's is not part
+of torch), and its autograd-aware all-to-all is in the private functional collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from megascale.models.moe import GroupedExperts, MoE, grouped_mlp
+from megascale.parallel.tensor import local_shard
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` split `sent` to the group's ranks in order, `received` rows from each back; the
+    backward is the same exchange reversed."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        ctx.received, ctx.sent, ctx.group = received, sent, group
+        out = x.new_empty(sum(received), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back = grad.new_empty(sum(ctx.sent), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return back, None, None, None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity; the gradient times `scale` in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """GroupedExperts holding this rank's share of the experts (its `__class__` after
+    `apply_expert_parallel`); forward takes and returns all experts' slots, as GroupedExperts does."""
+
+    ep_group: dist.ProcessGroup
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [slots, dim] sorted by expert, `counts[e]` slots for expert e (all experts) -> [slots, dim]."""
+        group = self.ep_group
+        ranks = dist.get_world_size(group)
+        local = counts.numel() // ranks
+        by_source = torch.empty_like(counts)
+        dist.all_to_all_single(by_source, counts, group=group)
+        by_source = by_source.view(ranks, local)  # slots each rank sends to each of this rank's experts
+        sent = counts.view(ranks, local).sum(1).tolist()
+        received = by_source.sum(1).tolist()
+        arrived = _AllToAll.apply(x, received, sent, group)  # grouped by source rank, then by expert
+        # Regrouped by expert, then by source rank: each expert's slots one run for the grouped GEMM.
+        keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
+        order = keys.to(counts.device).repeat_interleave(by_source.flatten()).argsort(stable=True)
+        # Summed over every ep rank's tokens; FSDP then averages over edp: over all dp ranks in all.
+        weights = [
+            _ScaleGradient.apply(local_shard(w), 1 / ranks) if w is not None else None
+            for w in (self.w1, self.w3, self.w2)
+        ]
+        computed = grouped_mlp(arrived[order], by_source.sum(0), *weights)  # type: ignore[arg-type]
+        return _AllToAll.apply(computed[order.argsort()], sent, received, group)
+
+
+def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh, *, reshard: bool) -> None:
+    """Every MoE layer of `part`, in place: its experts split over expert_mesh['ep'] and FSDP-sharded
+    over expert_mesh['edp'] (`reshard`: freed after forward, as ZeRO-3 does). Collective over the expert
+    mesh; apply before the blocks' FSDP, on identical models."""
+    ep_mesh = expert_mesh["ep"]
+    rank, ranks = ep_mesh.get_local_rank(), ep_mesh.size()
+    for module in part.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            mine = param.detach().chunk(ranks)[rank].clone()
+            sharded = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(sharded))
+        experts.__class__ = ExpertParallelExperts
+        cast(ExpertParallelExperts, experts).ep_group = ep_mesh.get_group()
+        fully_shard(experts, mesh=expert_mesh["edp"], reshard_after_forward=reshard)

@@ -1,0 +1,82 @@
+"""Expert parallelism (parallel/expert.py) against one process: the same loss and the same gradient of
+every parameter, experts included, for the same global batch; an expert that no token chooses and
+uneven all-to-all splits included. Whole training runs with ep are rows of the parity matrix."""
+
+import copy
+
+import pytest
+import torch
+
+from megascale.config import load_config
+from megascale.models.llama import Transformer
+from megascale.models.moe import MoE, training_step
+from megascale.parallel.dims import ParallelDims
+from megascale.parallel.expert import ExpertParallelExperts
+from megascale.parallel.parallelize import parallelize
+from megascale.parallel.tensor import full_tensor
+from megascale.trainer import next_token_loss
+from tests.parallel.multiprocess import run_ranks
+
+MODEL = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.attention.n_heads=4",
+    "--model.max_seq_len=16",
+    "--data.seq_len=16",
+    "--model.moe.experts=4",
+    "--model.moe.aux_loss_coeff=0.01",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=2",
+]
+UNCHOSEN = 3  # the expert no token is routed to
+
+
+def _model(cfg) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    for layer in model.modules():
+        if isinstance(layer, MoE):
+            layer.router.expert_bias[UNCHOSEN] = -1e4
+    return model
+
+
+def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) -> dict[str, float]:
+    cfg = load_config(None, [*MODEL, *overrides])
+    model = _model(cfg)
+    reference = copy.deepcopy(model)
+    dims = ParallelDims.from_config(cfg, world)
+    dims.build_mesh("cpu")
+    stepped = parallelize(model, dims, cfg.parallel, device=torch.device("cpu"), microbatches=2)
+    tokens = torch.randint(257, (8, 17), generator=torch.Generator().manual_seed(1))
+    share = tokens.chunk(dims.dp)[dims.dp_rank()]
+    batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in share.chunk(2)]
+    loss = stepped.forward_backward(batches, next_token_loss)
+    loss = full_tensor(loss)
+    torch.distributed.all_reduce(loss)
+
+    with training_step():
+        expected = next_token_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    expected.backward()
+    differences = {"loss": abs(float(loss) / dims.dp - float(expected))}
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert got.grad is not None, name
+        differences[name] = float((full_tensor(got.grad) - want.grad).abs().max())
+    experts = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    assert experts and all(isinstance(e, ExpertParallelExperts) for e in experts)
+    return differences
+
+
+@pytest.mark.parametrize(
+    "world, overrides",
+    [
+        (2, ["--parallel.ep=2"]),  # experts split over both ranks
+        (4, ["--parallel.ep=2"]),  # and sharded by FSDP over the other two
+        (4, ["--parallel.ep=4", "--parallel.zero_stage=1"]),  # one expert per rank, ZeRO-1
+    ],
+)
+def test_expert_parallel_gives_one_process_loss_and_gradients(world, overrides):
+    for rank_differences in run_ranks(_gradients_against_one_process, world, overrides, timeout_s=180):
+        worst = max(rank_differences.items(), key=lambda item: item[1])
+        assert worst[1] < 1e-5, worst
