@@ -41,6 +41,10 @@ def _dp(row: Mapping[str, Any]) -> bool:
     return row["parallel.dp_replicate"] * row["parallel.dp_shard"] > 1
 
 
+def _ep(row: Mapping[str, Any]) -> bool:
+    return row["parallel.ep"] > 1
+
+
 def _tp(row: Mapping[str, Any]) -> bool:
     return row["parallel.tp"] > 1
 
@@ -65,6 +69,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.dp_shard", (1, 2)),
     Knob("parallel.tp", (1, 2)),
     Knob("parallel.ep", (1, 2), lambda row: _moe(row) and row["parallel.dp_shard"] > 1),
+    Knob("parallel.ep_comm_dtype", ("float32", "bfloat16"), _ep),
     Knob("parallel.pp", (1, 2)),
     Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe"), _pp),
     Knob(
@@ -82,6 +87,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "parallel.overlap.pp", (True, False), lambda row: _pp(row) and row["parallel.pp_schedule"] != "gpipe"
     ),
+    Knob("parallel.overlap.ep", (True, False), _ep),
     Knob("model.block", ("serial", "parallel")),
     Knob("model.norm", ("rmsnorm", "layernorm")),
     Knob("model.mlp", ("swiglu", "gelu")),

@@ -23,6 +23,13 @@ class OverlapConfig:
         "sequence, forward and backward.",
     )
     tp_chunks: int = option(4, "Sequence chunks of the tensor-parallel overlap.", ge=2)
+    ep: bool = option(
+        True,
+        "Expert parallelism: each MoE layer's token slots travel in 2 chunks, both dispatched at once; a "
+        "chunk's expert compute runs while the other chunk's dispatch or combine all-to-all is in flight "
+        "(MegaScale-MoE's overlap of the all-to-all with the experts' GEMMs); off: one synchronous "
+        "dispatch and combine.",
+    )
     pp: bool = option(
         True,
         "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "
@@ -53,6 +60,12 @@ class ParallelConfig:
         "and each token slot is sent to its expert's rank by all-to-all; must divide dp_shard and "
         "model.moe.experts. The experts' weights are sharded by FSDP over the remaining dp_shard / ep.",
         ge=1,
+    )
+    ep_comm_dtype: str = option(
+        "float32",
+        "Precision of the expert-parallel all-to-all payload, tokens forward and their gradients backward: "
+        "float32 (exact), or bfloat16 (half the bytes, rounded: MegaScale-MoE's compressed communication).",
+        choices=("float32", "bfloat16"),
     )
     pp: int = option(1, "Pipeline-parallel stages.", ge=1)
     sequence_parallel: bool = option(

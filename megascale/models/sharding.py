@@ -10,6 +10,9 @@ megascale.parallel turns these words into DTensor styles; the model code itself 
   w3 x))` (w3 absent without a gate), so the sequence may be processed in chunks.
 - "projected_mixer": like "gather_sequence", for `wo(mix(wq x, wk x, wv x, ...))` (attention): only `mix`
   needs the whole sequence; the projections around it are position-wise, so they may run in chunks.
+- "whole_sequence": a module whose input is the residual stream and which every rank computes whole, on
+  the whole sequence, with its weights unsplit (an MoE layer: its routing statistics and capacity are per
+  sequence); its output is cut back to the rank's part of the residual stream.
 - "colwise" / "rowwise": a linear layer split by output features / by input features (Megatron).
 """
 
@@ -34,6 +37,12 @@ BLOCK_PLAN = {
     "feed_forward.w1": "colwise",
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",
+}
+
+# A block whose feed-forward layer is a mixture of experts (models/moe.py).
+ROUTED_BLOCK_PLAN = {
+    **{name: word for name, word in BLOCK_PLAN.items() if not name.startswith("feed_forward")},
+    "feed_forward": "whole_sequence",
 }
 
 # Top-level modules only the first pipeline stage holds, and those only the last one holds.

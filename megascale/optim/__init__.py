@@ -18,15 +18,23 @@ __all__ = ["Lamb", "apply_settings", "build_lr_scheduler", "build_optimizer", "l
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Trainable parameters split into a decayed group (ndim >= 2) and an undecayed one (ndim < 2).
+    """Trainable parameters split into a decayed group (ndim >= 2) and an undecayed one (ndim < 2), each
+    split again by the device mesh its parameters are DTensors on (plain tensors apart): the fused and
+    foreach kernels take tensors of one kind (a tensor-parallel model without data parallelism holds
+    DTensor matrices and plain MoE router and expert weights).
 
     Empty groups are left out; shared (tied) parameters appear once.
     """
     trainable = [p for _, p in model.named_parameters() if p.requires_grad]
-    decayed = [p for p in trainable if p.ndim >= 2]
-    undecayed = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
-    groups = [group for group in groups if group["params"]]
+    groups = []
+    for decay, params in (
+        (weight_decay, [p for p in trainable if p.ndim >= 2]),
+        (0.0, [p for p in trainable if p.ndim < 2]),
+    ):
+        by_mesh: dict[object, list[nn.Parameter]] = {}
+        for param in params:
+            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+        groups += [{"params": kind, "weight_decay": decay} for kind in by_mesh.values()]
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     return groups

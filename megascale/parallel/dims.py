@@ -136,13 +136,6 @@ class ParallelDims:
                 cfg.data.seq_len,
                 f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)",
             )
-        if self.tp > 1 and model.moe.experts:
-            fail(
-                "model.moe.experts",
-                model.moe.experts,
-                f"cannot be used with parallel.tp = {self.tp}: the MoE layer has no tensor-parallel plan; "
-                "shard the model over data-parallel ranks instead (--parallel.tp=1)",
-            )
         if self.tp > 1 and training.compile:
             fail(
                 "training.compile",

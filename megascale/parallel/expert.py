@@ -38,24 +38,63 @@ from megascale.models.moe import GroupedExperts, MoE, grouped_mlp
 from megascale.parallel.tensor import local_shard
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of `x` split `sent` to the group's ranks in order, `received` rows from each back; the
-    backward is the same exchange reversed."""
+class _InFlight:
+    """An asynchronous all-to-all between its issue and its wait."""
+
+    work: dist.Work
+
+
+class _Issue(torch.autograd.Function):
+    """Starts sending rows of `x`, split `sent` to the group's ranks in order, and receiving `received`
+    rows from each, into the returned tensor, which `_Wait` makes ready; the backward sends the gradient
+    back the same way (synchronously)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup
+        ctx: Any,
+        x: torch.Tensor,
+        received: list[int],
+        sent: list[int],
+        group: dist.ProcessGroup,
+        flight: _InFlight,
     ) -> torch.Tensor:
         ctx.received, ctx.sent, ctx.group = received, sent, group
         out = x.new_empty(sum(received), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        work = dist.all_to_all_single(out, x.contiguous(), received, sent, group=group, async_op=True)
+        assert work is not None  # async_op
+        flight.work = work
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         back = grad.new_empty(sum(ctx.sent), *grad.shape[1:])
         dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
-        return back, None, None, None
+        return back, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """`x` once its all-to-all (`flight`) has finished; identity in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        flight.work.wait()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _all_to_all_start(
+    x: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup, wire: torch.dtype
+) -> tuple[torch.Tensor, _InFlight]:
+    """Issue the exchange of `x`'s rows with its payload (and its gradient's) in `wire` precision."""
+    flight = _InFlight()
+    return _Issue.apply(x.to(wire), received, sent, group, flight), flight
+
+
+def _all_to_all_finish(out: torch.Tensor, flight: _InFlight, dtype: torch.dtype) -> torch.Tensor:
+    return _Wait.apply(out, flight).to(dtype)
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -71,40 +110,84 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _chunk_counts(counts: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """Each expert's slots dealt into `chunks` consecutive runs, as even as can be: the counts per chunk."""
+    return [counts // chunks + (index < counts % chunks).to(counts.dtype) for index in range(chunks)]
+
+
+def _chunk_slots(counts: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """The positions, in slots sorted by expert, of each chunk's slots (sorted by expert in turn)."""
+    starts = counts.cumsum(0) - counts
+    positions, offset = [], torch.zeros_like(counts)
+    for part in _chunk_counts(counts, chunks):
+        first = (starts + offset).repeat_interleave(part)
+        within = torch.arange(int(part.sum()), device=counts.device) - (
+            part.cumsum(0) - part
+        ).repeat_interleave(part)
+        positions.append(first + within)
+        offset = offset + part
+    return positions
+
+
 class ExpertParallelExperts(GroupedExperts):
     """GroupedExperts holding this rank's share of the experts (its `__class__` after
-    `apply_expert_parallel`); forward takes and returns all experts' slots, as GroupedExperts does."""
+    `apply_expert_parallel`); forward takes and returns all experts' slots, as GroupedExperts does.
+
+    The slots go in `chunks` chunks (each expert's slots dealt evenly): every chunk's dispatch is issued
+    at once, and each chunk's expert compute runs while the later chunks' dispatches and the earlier
+    chunks' combines are in flight. The payload travels in `wire` precision."""
 
     ep_group: dist.ProcessGroup
+    chunks: int = 1
+    wire: torch.dtype | None = None
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [slots, dim] sorted by expert, `counts[e]` slots for expert e (all experts) -> [slots, dim]."""
-        group = self.ep_group
+        group, wire = self.ep_group, self.wire or x.dtype
         ranks = dist.get_world_size(group)
         local = counts.numel() // ranks
         by_source = torch.empty_like(counts)
         dist.all_to_all_single(by_source, counts, group=group)
         by_source = by_source.view(ranks, local)  # slots each rank sends to each of this rank's experts
-        sent = counts.view(ranks, local).sum(1).tolist()
-        received = by_source.sum(1).tolist()
-        arrived = _AllToAll.apply(x, received, sent, group)  # grouped by source rank, then by expert
-        # Regrouped by expert, then by source rank: each expert's slots one run for the grouped GEMM.
-        keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
-        order = keys.to(counts.device).repeat_interleave(by_source.flatten()).argsort(stable=True)
         # Summed over every ep rank's tokens; FSDP then averages over edp: over all dp ranks in all.
         weights = [
             _ScaleGradient.apply(local_shard(w), 1 / ranks) if w is not None else None
             for w in (self.w1, self.w3, self.w2)
         ]
-        computed = grouped_mlp(arrived[order], by_source.sum(0), *weights)  # type: ignore[arg-type]
-        return _AllToAll.apply(computed[order.argsort()], sent, received, group)
+        positions = _chunk_slots(counts, self.chunks) if self.chunks > 1 else [None]
+        chunk_counts = _chunk_counts(counts, self.chunks)
+        arriving = _chunk_counts(by_source, self.chunks)
+        dispatches = []
+        for where, mine, theirs in zip(positions, chunk_counts, arriving):
+            sent = mine.view(ranks, local).sum(1).tolist()
+            received = theirs.sum(1).tolist()
+            payload = x if where is None else x[where]
+            dispatches.append((*_all_to_all_start(payload, received, sent, group, wire), sent, received))
+        combines = []
+        for (out, flight, sent, received), theirs in zip(dispatches, arriving):
+            arrived = _all_to_all_finish(out, flight, x.dtype)  # grouped by source rank, then by expert
+            # Regrouped by expert, then by source rank: each expert's slots one run for the grouped GEMM.
+            keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
+            order = keys.to(counts.device).repeat_interleave(theirs.flatten()).argsort(stable=True)
+            computed = grouped_mlp(arrived[order], theirs.sum(0), *weights)  # type: ignore[arg-type]
+            combines.append(_all_to_all_start(computed[order.argsort()], sent, received, group, wire))
+        results = [_all_to_all_finish(out, flight, computed.dtype) for out, flight in combines]
+        if positions[0] is None:
+            return results[0]
+        output = results[0].new_zeros(x.shape[0], results[0].shape[1])
+        for where, result in zip(positions, results):
+            output = output.index_copy(0, where, result)
+        return output
 
 
-def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh, *, reshard: bool) -> None:
+def apply_expert_parallel(
+    part: nn.Module, expert_mesh: DeviceMesh, *, reshard: bool, chunks: int, wire: torch.dtype | None
+) -> None:
     """Every MoE layer of `part`, in place: its experts split over expert_mesh['ep'] and FSDP-sharded
-    over expert_mesh['edp'] (`reshard`: freed after forward, as ZeRO-3 does). Collective over the expert
-    mesh; apply before the blocks' FSDP, on identical models."""
+    over expert_mesh['edp'] (`reshard`: freed after forward, as ZeRO-3 does); the slots travel in `chunks`
+    chunks, in `wire` precision (None: their own). Collective over the expert mesh; apply before the
+    blocks' FSDP, on identical models."""
     ep_mesh = expert_mesh["ep"]
     rank, ranks = ep_mesh.get_local_rank(), ep_mesh.size()
     for module in part.modules():
@@ -116,5 +199,6 @@ def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh, *, reshard: 
             sharded = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, nn.Parameter(sharded))
         experts.__class__ = ExpertParallelExperts
-        cast(ExpertParallelExperts, experts).ep_group = ep_mesh.get_group()
+        parallel = cast(ExpertParallelExperts, experts)
+        parallel.ep_group, parallel.chunks, parallel.wire = ep_mesh.get_group(), chunks, wire
         fully_shard(experts, mesh=expert_mesh["edp"], reshard_after_forward=reshard)

@@ -137,6 +137,7 @@ def _shard(
             dims.sub_mesh("tp"),
             blocks=sharding.BLOCKS,
             block_plan=sharding.BLOCK_PLAN,
+            routed_block_plan=sharding.ROUTED_BLOCK_PLAN,
             top_level_plan=sharding.TOP_LEVEL_PLAN,
             sequence_parallel=par.sequence_parallel,
             overlap_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
@@ -146,7 +147,13 @@ def _shard(
         for block in part.get_submodule(sharding.BLOCKS).children():
             block.compile()
     if dims.ep > 1:
-        apply_expert_parallel(part, dims.expert_mesh(), reshard=par.zero_stage == 3)
+        apply_expert_parallel(
+            part,
+            dims.expert_mesh(),
+            reshard=par.zero_stage == 3,
+            chunks=2 if par.overlap.ep else 1,
+            wire=getattr(torch, par.ep_comm_dtype),
+        )
     if dims.dp > 1:
         apply_fsdp(
             part,

@@ -7,6 +7,12 @@ after each row-parallel output (paper §3.2, Fig. 3a). The embedding and the out
 the vocabulary and the loss is computed on vocabulary shards (`loss_parallel`). DTensor's parallel styles
 do all of this; what this module adds is the mapping from the model's plain-words plan (models/sharding.py)
 to those styles, so neither side names the other.
+
+A block with an MoE feed-forward layer takes the routed plan: its attention as in any block, and the MoE
+layer computed whole on every TP rank on the whole sequence (gathered under sequence parallelism, and its
+output cut back to the rank's shard), so routing, capacity and the balancing loss see whole sequences as
+on one process. The TP ranks repeat the layer's work rather than split it; its experts can be split over
+data-parallel ranks instead (expert.py).
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 
+from megascale.models.moe import MoE
 from megascale.parallel.tensor_overlap import ChunkedSequenceParallelAttention, ChunkedSequenceParallelMLP
 
 
@@ -44,6 +52,16 @@ def _style(word: str, sequence_parallel: bool, module: nn.Module, overlap_chunks
         return RowwiseParallel(output_layouts=stream)
     if word == "sequence":
         return SequenceParallel() if sequence_parallel else None
+    if word == "whole_sequence":
+        if not sequence_parallel:
+            return None  # the stream is whole on every rank already
+        return PrepareModuleInputOutput(
+            input_layouts=Shard(1),
+            desired_input_layouts=Replicate(),
+            use_local_input=True,
+            output_layouts=Replicate(),
+            desired_output_layouts=Shard(1),
+        )
     if word == "gather_sequence":
         if not sequence_parallel:
             return None
@@ -88,14 +106,18 @@ def apply_tensor_parallel(
     top_level_plan: dict[str, str],
     sequence_parallel: bool,
     overlap_chunks: int | None = None,
+    routed_block_plan: dict[str, str] | None = None,
 ) -> None:
     """Shard `model` in place over `tp_mesh`. Collective over the TP group; every TP rank calls it with
     an identical model (same weights), whose tensors become DTensors holding this rank's shard. With
     `overlap_chunks` (and sequence parallelism) the MLPs and the attention projections overlap their
-    communication in that many sequence chunks (tensor_overlap.py)."""
+    communication in that many sequence chunks (tensor_overlap.py). Blocks holding an MoE layer take
+    `routed_block_plan`."""
     tied = _tied_parameters(model)
     for block in model.get_submodule(blocks).children():
-        parallelize_module(block, tp_mesh, _plan_for(block, block_plan, sequence_parallel, overlap_chunks))
+        routed = routed_block_plan is not None and any(isinstance(module, MoE) for module in block.modules())
+        plan = routed_block_plan if routed_block_plan is not None and routed else block_plan
+        parallelize_module(block, tp_mesh, _plan_for(block, plan, sequence_parallel, overlap_chunks))
     parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel, overlap_chunks))
     _tie_again(model, tied)
 
