@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale import options
-from megascale.config.model import AttentionConfig, ModelConfig, MoEConfig
+from megascale.config.model import AttentionConfig, ModelConfig, MoEConfig, head_dim_of
 from megascale.config.parallel import OverlapConfig, ParallelConfig
 from megascale.config.resilience import ResilienceConfig
 from megascale.config.run import CheckpointConfig, DataConfig, MetricsConfig, OptimConfig, TrainingConfig
@@ -39,6 +39,7 @@ __all__ = [
     "JobConfig",
     "MetricsConfig",
     "ModelConfig",
+    "head_dim_of",
     "MoEConfig",
     "OptimConfig",
     "OverlapConfig",
@@ -76,19 +77,23 @@ class JobConfig:
     def check_rules(self) -> None:
         """The rules between fields (each field's own range is `check_fields`'); ConfigError on the first."""
         m, a, t = self.model, self.model.attention, self.training
-        if m.dim % a.n_heads:
-            fail("model.attention.n_heads", a.n_heads, f"must divide model.dim = {m.dim}")
+        if m.dim % a.n_heads and a.head_dim is None:
+            fail(
+                "model.attention.n_heads",
+                a.n_heads,
+                f"must divide model.dim = {m.dim} (or set model.attention.head_dim)",
+            )
         if a.n_heads % a.n_kv_heads:
             fail(
                 "model.attention.n_kv_heads",
                 a.n_kv_heads,
                 f"must divide model.attention.n_heads = {a.n_heads}",
             )
-        if (m.dim // a.n_heads) % 2 and m.position == "rope":
+        if head_dim_of(m) % 2 and m.position == "rope":
             fail(
-                "model.attention.n_heads",
-                a.n_heads,
-                f"gives an odd head size {m.dim // a.n_heads}; RoPE needs an even one",
+                "model.attention.head_dim" if a.head_dim else "model.attention.n_heads",
+                a.head_dim or a.n_heads,
+                f"gives an odd head size {head_dim_of(m)}; RoPE needs an even one",
             )
         moe = m.moe
         if moe.experts and moe.top_k > moe.experts:

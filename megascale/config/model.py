@@ -11,7 +11,7 @@ from megascale.options import option, section
 class AttentionConfig:
     """Attention: heads, grouped-query key/value heads, positions and the sliding window."""
 
-    n_heads: int = option(8, "Number of query heads; must divide model.dim.", ge=1)
+    n_heads: int = option(8, "Number of query heads; must divide model.dim unless head_dim is set.", ge=1)
     n_kv_heads: int = option(
         4,
         "Key/value heads (grouped-query attention); must divide n_heads. "
@@ -25,6 +25,13 @@ class AttentionConfig:
         ge=1,
     )
     rope_theta: float = option(10000.0, "RoPE base frequency.", gt=0)
+    head_dim: int | None = option(
+        None, "Size of each attention head; unset: model.dim / n_heads (Qwen3 sets it apart).", ge=1
+    )
+    qk_norm: bool = option(
+        False,
+        "RMSNorm over each head's queries and keys before RoPE (Qwen3); its gain is shared by the heads.",
+    )
 
 
 @dataclass
@@ -121,3 +128,8 @@ class ModelConfig:
     )
     attention: AttentionConfig = section(AttentionConfig)
     moe: MoEConfig = section(MoEConfig)
+
+
+def head_dim_of(cfg: ModelConfig) -> int:
+    """Each attention head's size: model.attention.head_dim, or model.dim / n_heads."""
+    return cfg.attention.head_dim or cfg.dim // cfg.attention.n_heads

@@ -11,7 +11,7 @@ MFU counts model FLOPs, not hardware FLOPs. An MoE layer costs what a token comp
 
 from __future__ import annotations
 
-from megascale.config import ModelConfig
+from megascale.config import ModelConfig, head_dim_of
 from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.moe import expert_dim_of
 
@@ -21,8 +21,8 @@ def _mlp_params(cfg: ModelConfig, hidden: int) -> int:
 
 
 def _attention_params(cfg: ModelConfig) -> int:
-    head_dim = cfg.dim // cfg.attention.n_heads
-    return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
+    head_dim = head_dim_of(cfg)
+    return 2 * cfg.dim * cfg.attention.n_heads * head_dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
 
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
@@ -46,6 +46,7 @@ def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
 def num_params(cfg: ModelConfig) -> int:
     """All parameters of the model, embeddings included (tied ones counted once)."""
     norms_per_layer = (1 if cfg.block == "parallel" else 2) * cfg.dim
+    norms_per_layer += 2 * head_dim_of(cfg) if cfg.attention.qk_norm else 0
     embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     positions = cfg.max_seq_len * cfg.dim if cfg.position == "learned" else 0
     return matmul_params(cfg) + cfg.n_layers * norms_per_layer + embeddings + positions + cfg.dim
@@ -59,7 +60,7 @@ def attention_span(cfg: ModelConfig, seq_len: int) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs to train on one token (forward + backward) at this sequence length."""
     dense = matmul_params(cfg, active=True) + cfg.vocab_size * cfg.dim  # + the output layer
-    attention = 12 * cfg.n_layers * cfg.dim * attention_span(cfg, seq_len)
+    attention = 12 * cfg.n_layers * cfg.attention.n_heads * head_dim_of(cfg) * attention_span(cfg, seq_len)
     return 6 * dense + attention
 
 

@@ -1,16 +1,19 @@
-"""Hugging Face Llama and Mixtral interop: config.json and safetensors weights in both directions.
+"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE interop: config.json and safetensors weights in both
+directions.
 
 A megascale model with the Llama options (RMSNorm, SwiGLU, RoPE, serial block, full causal attention) is
 a `LlamaForCausalLM`: RoPE uses the same rotate-half layout, so every weight maps 1:1 by name, with no
 permutation. With MoE layers in every block, routed as Mixtral routes (softmax scores, the chosen ones
 normalised, no shared expert, no routing bias, dropless), it is a `MixtralForCausalLM`: the router is the
 gate, and each expert's slice of the stacked weights, transposed, is that expert's w1/w3/w2 (the per-expert
-layout Mixtral checkpoints are stored in). Only `safetensors` and `json` are needed; `transformers` itself
-is optional.
+layout Mixtral checkpoints are stored in). With QK-norm (`model.attention.qk_norm`) the same model is a
+`Qwen3ForCausalLM`, and with MoE layers a `Qwen3MoeForCausalLM`, which may keep its first layers dense
+(`mlp_only_layers`) and leave the chosen scores unnormalised (`norm_topk_prob`); its experts are stored as
+gate_proj/up_proj/down_proj. Only `safetensors` and `json` are needed; `transformers` itself is optional.
 
 Fields with no Hugging Face counterpart (the parallel block, GeLU, LayerNorm, learned positions, the
-sliding window) cannot be exported, and configs using Llama features megascale lacks (biases, RoPE
-scaling, a head size other than hidden_size / heads) cannot be imported: both raise a `ConfigError`.
+sliding window) cannot be exported, and configs using features megascale lacks (biases, RoPE scaling)
+cannot be imported: both raise a `ConfigError`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from megascale.config import AttentionConfig, ModelConfig, MoEConfig
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig, head_dim_of
 from megascale.errors import CheckpointError, ConfigError
 from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.moe import expert_dim_of
@@ -54,21 +57,20 @@ _LLAMA_FIELDS = (
 )
 
 
-# The MoE settings of a Mixtral layer: (field, required value).
-_MIXTRAL_FIELDS: tuple[tuple[str, object], ...] = (
+# The MoE settings of a Qwen3-MoE layer, and of a Mixtral one (which also needs the rest): (field, value).
+_QWEN3_MOE_FIELDS: tuple[tuple[str, object], ...] = (
     ("score", "softmax"),
-    ("normalize_weights", True),
     ("route_scale", 1.0),
     ("shared_experts", 0),
-    ("dense_layers", 0),
     ("bias_update_rate", 0.0),
     ("capacity_factor", None),
 )
+_MIXTRAL_FIELDS = (*_QWEN3_MOE_FIELDS, ("normalize_weights", True), ("dense_layers", 0))
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first field that a Hugging Face Llama (or, with MoE layers, Mixtral)
-    cannot represent."""
+    """Raise ConfigError naming the first field that a Hugging Face Llama (or, with MoE layers, Mixtral;
+    with QK-norm, Qwen3 or Qwen3-MoE) cannot represent."""
     for name, required in _LLAMA_FIELDS:
         value = getattr(cfg, name)
         if value != required:
@@ -81,21 +83,55 @@ def check_exportable(cfg: ModelConfig) -> None:
             f"convert: model.attention.window = {cfg.attention.window!r} has no Hugging Face "
             "Llama equivalent; export needs full causal attention (window unset)"
         )
-    for moe_field, wanted in _MIXTRAL_FIELDS if cfg.moe.experts else ():
+    family, fields = (
+        ("Qwen3-MoE", _QWEN3_MOE_FIELDS) if cfg.attention.qk_norm else ("Mixtral", _MIXTRAL_FIELDS)
+    )
+    for moe_field, wanted in fields if cfg.moe.experts else ():
         setting = getattr(cfg.moe, moe_field)
         if setting != wanted:
             raise ConfigError(
-                f"convert: model.moe.{moe_field} = {setting!r} has no Hugging Face Mixtral equivalent; "
+                f"convert: model.moe.{moe_field} = {setting!r} has no Hugging Face {family} equivalent; "
                 f"export needs model.moe.{moe_field} = {wanted!r}"
             )
 
 
 def hf_config_of(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json of the LlamaForCausalLM (MixtralForCausalLM with MoE layers) equal to this model."""
+    """The config.json of the LlamaForCausalLM (MixtralForCausalLM with MoE layers; with QK-norm,
+    Qwen3ForCausalLM or Qwen3MoeForCausalLM) equal to this model."""
     check_exportable(cfg)
+    if cfg.attention.qk_norm:
+        qwen3 = {**_llama_config(cfg), **_qwen3_fields(cfg)}
+        return {**qwen3, **_qwen3_moe_fields(cfg)} if cfg.moe.experts else qwen3
     if cfg.moe.experts:
         return {**_llama_config(cfg), **_mixtral_fields(cfg)}
     return _llama_config(cfg)
+
+
+def _qwen3_fields(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.n_layers,
+    }
+
+
+def _qwen3_moe_fields(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": moe.experts,
+        "num_local_experts": moe.experts,  # the name transformers >= 5 reads
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": expert_dim_of(cfg),
+        "norm_topk_prob": moe.normalize_weights,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(moe.dense_layers)),
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "output_router_logits": False,
+    }
 
 
 def _mixtral_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -123,7 +159,7 @@ def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.attention.n_heads,
         "num_key_value_heads": cfg.attention.n_kv_heads,
-        "head_dim": cfg.dim // cfg.attention.n_heads,
+        "head_dim": head_dim_of(cfg),
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
@@ -167,10 +203,15 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     exporting a default config and importing it back gives an equal ModelConfig.
     """
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mixtral"):
+    if model_type not in ("llama", "mixtral", "qwen3", "qwen3_moe"):
         raise ConfigError(
-            f"convert: config.json model_type = {model_type!r} is not supported; 'llama' and 'mixtral' "
-            "convert"
+            f"convert: config.json model_type = {model_type!r} is not supported; 'llama', 'mixtral', "
+            "'qwen3' and 'qwen3_moe' convert"
+        )
+    if hf.get("use_sliding_window"):
+        raise ConfigError(
+            "convert: config.json use_sliding_window = True is not supported; megascale's Qwen3 has full "
+            "causal attention (use_sliding_window false)"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag, False):
@@ -186,11 +227,6 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or dim // n_heads
-    if head_dim * n_heads != dim:
-        raise ConfigError(
-            f"convert: config.json head_dim = {head_dim} is not supported; megascale needs "
-            f"hidden_size / num_attention_heads = {dim} / {n_heads}"
-        )
     cfg = ModelConfig(
         dim=dim,
         n_layers=hf["num_hidden_layers"],
@@ -204,14 +240,41 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             window=None,
             rope_theta=_rope_theta_of(hf),
+            head_dim=None if head_dim * n_heads == dim else head_dim,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
         ),
     )
-    intermediate_size = hf["intermediate_size"]
     if model_type == "mixtral":
         cfg.moe = _moe_config_from_mixtral(hf)
-    elif intermediate_size != ffn_dim_of(cfg):
-        cfg.ffn_dim = intermediate_size
+    elif model_type == "qwen3_moe":
+        cfg.moe = _moe_config_from_qwen3(hf)
+    if model_type != "mixtral" and hf["intermediate_size"] != ffn_dim_of(cfg):
+        cfg.ffn_dim = hf["intermediate_size"]  # the dense layers' (Qwen3-MoE's mlp_only_layers)
     return cfg
+
+
+def _moe_config_from_qwen3(hf: dict[str, Any]) -> MoEConfig:
+    """Qwen3-MoE's layers: softmax routing, the chosen scores normalised if norm_topk_prob, dropless,
+    an MoE layer in every block after the first `mlp_only_layers`."""
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(
+            f"convert: config.json decoder_sparse_step = {hf['decoder_sparse_step']!r} is not supported; "
+            "megascale's MoE layers are every block's after the dense first ones (decoder_sparse_step 1)"
+        )
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ConfigError(
+            f"convert: config.json mlp_only_layers = {dense!r} is not supported; megascale keeps the first "
+            "k layers dense (mlp_only_layers = [0, ..., k-1])"
+        )
+    return MoEConfig(
+        experts=hf.get("num_experts") or hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_dim=hf["moe_intermediate_size"],
+        dense_layers=len(dense),
+        normalize_weights=bool(hf.get("norm_topk_prob", False)),
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+    )
 
 
 def _moe_config_from_mixtral(hf: dict[str, Any]) -> MoEConfig:
@@ -238,35 +301,55 @@ _DENSE_FFN_KEYS = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
-_ROUTER_KEYS = {"feed_forward.router.gate.weight": "block_sparse_moe.gate.weight"}
-# Our stacked expert weights [experts, in, out] -> Mixtral's per-expert linear weights [out, in].
-_EXPERT_KEYS = {"w1": "w1", "w3": "w3", "w2": "w2"}
+_QK_NORM_KEYS = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+# Where each family keeps an MoE layer (after "model.layers.{i}.") and its experts' names for our stacked
+# weights [experts, in, out], each stored per expert as a linear weight [out, in].
+_MOE_LAYOUTS = {
+    "mixtral": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+    "qwen3_moe": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+}
+
+
+def _moe_layers(cfg: ModelConfig) -> range:
+    return range(cfg.moe.dense_layers, cfg.n_layers) if cfg.moe.experts else range(0)
+
+
+def _moe_layout(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
+    return _MOE_LAYOUTS["qwen3_moe" if cfg.attention.qk_norm else "mixtral"]
 
 
 def _key_map(cfg: ModelConfig) -> dict[str, str]:
     """Every megascale state-dict key that maps 1:1 -> its Hugging Face name (experts aside)."""
     names = dict(_GLOBAL_KEYS)
+    prefix, _ = _moe_layout(cfg)
     for i in range(cfg.n_layers):
-        for ours, theirs in {**_LAYER_KEYS, **(_ROUTER_KEYS if cfg.moe.experts else _DENSE_FFN_KEYS)}.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+        layer = {**_LAYER_KEYS, **(_QK_NORM_KEYS if cfg.attention.qk_norm else {})}
+        if i in _moe_layers(cfg):
+            layer["feed_forward.router.gate.weight"] = f"{prefix}.gate.weight"
+        else:
+            layer.update(_DENSE_FFN_KEYS)
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in layer.items()})
     return names
 
 
 def _expert_keys(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Each stacked expert weight of ours -> Mixtral's per-expert names, in expert order."""
+    """Each stacked expert weight of ours -> the family's per-expert names, in expert order."""
+    prefix, names = _moe_layout(cfg)
     return {
         f"layers.{i}.feed_forward.experts.{ours}": [
-            f"model.layers.{i}.block_sparse_moe.experts.{e}.{theirs}.weight" for e in range(cfg.moe.experts)
+            f"model.layers.{i}.{prefix}.experts.{e}.{theirs}.weight" for e in range(cfg.moe.experts)
         ]
-        for i in range(cfg.n_layers if cfg.moe.experts else 0)
-        for ours, theirs in _EXPERT_KEYS.items()
+        for i in _moe_layers(cfg)
+        for ours, theirs in names.items()
     }
 
 
 def _bias_keys(cfg: ModelConfig) -> list[str]:
-    """The routing biases, which a Mixtral has none of (zero without model.moe.bias_update_rate)."""
-    layers = range(cfg.n_layers if cfg.moe.experts else 0)
-    return [f"layers.{i}.feed_forward.router.expert_bias" for i in layers]
+    """The routing biases, which Hugging Face's models have none of (zero without bias_update_rate)."""
+    return [f"layers.{i}.feed_forward.router.expert_bias" for i in _moe_layers(cfg)]
 
 
 def _check_keys(found: set[str], expected: set[str], what: str) -> None:

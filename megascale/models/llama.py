@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from megascale.config import ModelConfig
+from megascale.config import ModelConfig, head_dim_of
 from megascale.models.attention import causal_attention
 from megascale.models.feed_forward import FeedForward
 from megascale.models.moe import MoE
@@ -53,8 +53,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.attention.n_heads
         self.n_kv_heads = cfg.attention.n_kv_heads
-        self.head_dim = cfg.dim // self.n_heads
+        self.head_dim = head_dim_of(cfg)
         self.window = cfg.attention.window
+        # Qwen3's QK-norm: each head's queries and keys normalised (one gain over head_dim) before RoPE.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -77,6 +80,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             # The tables cover max_seq_len; slice here, where the whole sequence is present (the residual
             # stream around this module may be sequence-sharded).
@@ -122,9 +127,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(
-                cfg.dim // cfg.attention.n_heads, cfg.max_seq_len, cfg.attention.rope_theta
-            )
+            cos, sin = rope_tables(head_dim_of(cfg), cfg.max_seq_len, cfg.attention.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()

@@ -136,6 +136,13 @@ class ParallelDims:
                 cfg.data.seq_len,
                 f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)",
             )
+        if self.tp > 1 and model.attention.qk_norm:
+            fail(
+                "model.attention.qk_norm",
+                True,
+                f"cannot be used with parallel.tp = {self.tp}: the heads' shared QK-norm gain would get a "
+                "partial gradient on each tensor-parallel rank; set --parallel.tp=1",
+            )
         if self.tp > 1 and training.compile:
             fail(
                 "training.compile",

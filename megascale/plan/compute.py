@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megascale.config import ModelConfig
+from megascale.config import ModelConfig, head_dim_of
 from megascale.models.feed_forward import ffn_dim_of
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Job, Layout
@@ -53,8 +53,8 @@ def gemm_seconds(flops: float, profile: HardwareProfile, dtype: str) -> float:
 
 def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """(in, out) features of each linear layer of one block as one tensor-parallel rank holds it."""
-    head_dim = model.dim // model.attention.n_heads
-    q_out, kv_out = model.dim, model.attention.n_kv_heads * head_dim
+    head_dim = head_dim_of(model)
+    q_out, kv_out = model.attention.n_heads * head_dim, model.attention.n_kv_heads * head_dim
     ffn = ffn_dim_of(model)
     column = [(model.dim, q_out // tp), (model.dim, kv_out // tp), (model.dim, kv_out // tp)]
     column += [(model.dim, ffn // tp)] * (2 if model.mlp == "swiglu" else 1)
@@ -99,7 +99,7 @@ def _attention_forward_seconds(job: Job, layout: Layout, profile: HardwareProfil
     FlashAttention-2 with the optimised operators, else FlashAttention-1 at half its speed."""
     model = job.model
     heads = model.attention.n_heads // layout.tp
-    head_dim = model.dim // model.attention.n_heads
+    head_dim = head_dim_of(model)
     keys = keys_per_query(job.seq_len, model.attention.window)
     flops = 4 * layout.micro_batch * job.seq_len * keys * heads * head_dim
     efficiency = profile.attention_efficiency * (1.0 if fused else FLASH_ATTENTION_1_SPEED)

@@ -196,7 +196,7 @@ def test_unsupported_configs_refuse_to_export(change, message, tmp_path):
         ({"attention_bias": True}, "attention_bias = True"),
         ({"mlp_bias": True}, "mlp_bias = True"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
-        ({"head_dim": 32}, "head_dim = 32"),
+        ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window = True"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type = 'llama3'"),
     ],

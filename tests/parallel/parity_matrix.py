@@ -161,11 +161,12 @@ def estimated_cost(row: Row) -> float:
 
 
 def layout(row: Row) -> tuple[int, ...]:
-    return tuple(row[f"parallel.{name}"] for name in ("dp_replicate", "dp_shard", "tp", "pp"))
+    return tuple(row[f"parallel.{name}"] for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep"))
 
 
-# The model knobs' values of a Hugging Face Llama, and with MoE layers those of a Mixtral: the rows
-# `megascale convert --to hf` must export (and every other must be refused by it; `compare` checks both).
+# The model knobs' values of a Hugging Face Llama, and with MoE layers those of a Mixtral (with QK-norm: of
+# a Qwen3-MoE, which may keep dense first layers and unnormalised weights): the rows `megascale convert
+# --to hf` must export (and every other must be refused by it; `compare` checks both).
 LLAMA = {
     "model.block": "serial",
     "model.norm": "rmsnorm",
@@ -183,8 +184,15 @@ MIXTRAL = {
 }
 
 
+QWEN3_MOE = {
+    key: value
+    for key, value in MIXTRAL.items()
+    if key not in ("model.moe.normalize_weights", "model.moe.dense_layers")
+}
+
+
 def exportable(row: Row) -> bool:
-    moe = MIXTRAL if row["model.moe.experts"] else {}
+    moe = (QWEN3_MOE if row["model.attention.qk_norm"] else MIXTRAL) if row["model.moe.experts"] else {}
     return all(row[key] == value for key, value in {**LLAMA, **moe}.items())
 
 

@@ -82,6 +82,11 @@ def test_dp_shard_takes_the_rest_of_the_world():
             ["--parallel.pp=2", "--parallel.pp_virtual_stages=4", "--parallel.pp_schedule=interleaved_1f1b"],
             "gives 8 stages, more than model.n_layers = 4",
         ),
+        (
+            2,
+            ["--parallel.tp=2", "--model.attention.qk_norm=true"],
+            "model.attention.qk_norm = True cannot be used",
+        ),
         (2, ["--parallel.ep=2"], "parallel.ep = 2 needs an MoE model (model.moe.experts > 0)"),
         (
             4,
