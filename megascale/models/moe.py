@@ -145,6 +145,7 @@ class MoE(nn.Module):
 
     load: torch.Tensor
     dropped: torch.Tensor
+    balance: torch.Tensor
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -157,9 +158,11 @@ class MoE(nn.Module):
         self.shared = (
             FeedForward(cfg, hidden=expert_dim_of(cfg) * moe.shared_experts) if moe.shared_experts else None
         )
-        # Token slots each expert took since the last `update_bias` (training only), and dropped slots.
+        # Token slots each expert took since the last `update_bias` (training only), dropped slots, and the
+        # balancing loss's sum and count of forwards (with aux_loss_coeff).
         self.register_buffer("load", torch.zeros(moe.experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("balance", torch.zeros(2), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -184,6 +187,9 @@ class MoE(nn.Module):
                 self.dropped += slots.numel() - order.numel()
         if self.aux_loss_coeff and torch.is_grad_enabled():  # the recomputation builds the same graph
             loss = self.balance_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1))
+            if torch._C._current_graph_task_id() == -1:
+                with torch.no_grad():
+                    self.balance += torch.stack([loss.detach(), torch.ones_like(loss)])
             output = AuxLoss.apply(output, loss, self.aux_loss_coeff * _aux_loss_scale)
         return output
 
@@ -225,3 +231,4 @@ class MoE(nn.Module):
         if self.bias_update_rate:
             self.router.expert_bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
         self.load.zero_()
+        self.balance.zero_()

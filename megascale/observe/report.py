@@ -231,18 +231,39 @@ def _throughput(records: Records) -> str:
     return tokens + _lines([(label, "#8c564b", mfu)], y_fmt=lambda v: f"{v:.3g}%", height=165)
 
 
+# One color per MoE layer in the by-layer chart (matplotlib's tab10), repeating past ten layers.
+LAYER_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
 def _routing(records: Records) -> dict[str, tuple[str, str]]:
-    """A run with MoE layers: each step's worst layer imbalance (busiest expert over the mean) and the share
-    of routed slots capacity dropped; a dense run has no such section."""
+    """A run with MoE layers: each step's worst layer imbalance (busiest expert over the mean), each layer's,
+    the share of routed slots capacity dropped and the balancing loss; a dense run has no such section."""
     imbalance = _points(records, "moe_load_max_over_mean")
     if not imbalance:
         return {}
     chart = _lines([("busiest expert / mean load, worst layer", "#d62728", imbalance)], height=165)
+    layers = sorted(
+        {key for record in records for key in record if key.startswith("moe_layer")},
+        key=lambda key: int(key.removeprefix("moe_layer").split("_")[0]),
+    )
+    if layers:
+        series = [
+            (
+                f"layer {key.removeprefix('moe_layer').split('_')[0]}",
+                LAYER_COLORS[i % len(LAYER_COLORS)],
+                _points(records, key),
+            )
+            for i, key in enumerate(layers)
+        ]
+        chart += _lines(series, height=165)
     dropped = _lines(
         [("routed slots dropped, %", "#7f7f7f", _points(records, "moe_dropped_fraction", 100.0))],
         y_fmt=lambda v: f"{v:.3g}%",
         height=165,
     )
+    balancing = _points(records, "moe_aux_loss")
+    if balancing:
+        dropped += _lines([("balancing loss (mean over layers)", "#17becf", balancing)], height=165)
     return {"chart-routing": ("Expert routing (MoE)", chart + dropped)}
 
 

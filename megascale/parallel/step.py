@@ -24,6 +24,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from megascale.config import ModelConfig
+from megascale.models import sharding
 from megascale.models.moe import MoE, training_step
 from megascale.optim.clip import clip_by_global_norm
 from megascale.parallel.data import sync_gradients
@@ -67,7 +69,15 @@ class ParallelModel:
         self.reductions = reductions  # asynchronous reduce-scatters in flight (DP overlap, CPU)
         self.pipeline_group = pipeline_group  # the ranks holding the other stages
         self.data_groups = data_groups  # the ranks holding the same layers: one group per data dimension
-        self.moe_layers = [module for part in parts for module in part.modules() if isinstance(module, MoE)]
+        # Every MoE layer this rank holds, and its block's index in the whole model.
+        held = [
+            (name, module)
+            for part in parts
+            for name, module in part.named_modules()
+            if isinstance(module, MoE)
+        ]
+        self.moe_layers = [module for _, module in held]
+        self.moe_layer_indices = [_block_index(name) for name, _ in held]
         self.routed = routed  # the model has MoE layers (on some stage): every rank joins `finish_step`
         self.stages: list[PipelineStage] = []  # the schedule's stages (none without pipelining)
         self.first_stage = self.last_stage = True  # feeds the inputs / computes the loss
@@ -128,28 +138,52 @@ class ParallelModel:
         """After the optimizer step, in a model with MoE layers: their expert loads and dropped slots summed
         over the data-parallel ranks (one all-reduce for every layer), their routing biases moved toward
         an even load, and the router's health for the metrics, over every layer of every stage: the worst
-        layer's max/mean expert load and the share of routed slots dropped (capacity)."""
+        layer's max/mean expert load, each layer's, and the share of routed slots dropped (capacity)."""
         if not self.routed:
             return {}
         if not self.moe_layers:  # a stage of dense layers only: it adds nothing to the health
-            counts = torch.zeros(0, 1, device=self.device)
+            counts = torch.zeros(0, 3, device=self.device)  # no loads; dropped, balancing loss sum, count
         else:
-            counts = torch.stack([torch.cat([layer.load, layer.dropped[None]]) for layer in self.moe_layers])
+            counts = torch.stack(
+                [torch.cat([layer.load, layer.dropped[None], layer.balance]) for layer in self.moe_layers]
+            )
             for group in self.data_groups:
                 dist.all_reduce(counts, group=group)
+        balance = counts[:, -2:]  # each layer's balancing losses summed, and how many
+        counts = counts[:, :-2]
         for layer, count in zip(self.moe_layers, counts):
             layer.load.copy_(count[:-1])
             layer.dropped.zero_()
-        imbalance = max((float(load.max() / load.mean()) for load in counts[:, :-1]), default=0.0)
-        dropped, slots = float(counts[:, -1].sum()), float(counts[:, :-1].sum())
-        health = torch.tensor([imbalance, dropped, slots], device=self.device)
-        if self.pipeline_group is not None:  # every stage's layers: the worst imbalance, the total drops
-            dist.all_reduce(health[:1], op=dist.ReduceOp.MAX, group=self.pipeline_group)
-            dist.all_reduce(health[1:], group=self.pipeline_group)
+        # Each layer's busiest expert over the mean, by block index (0 where another stage holds it).
+        by_layer = torch.zeros(self.n_layers(), device=self.device)
+        for index, load in zip(self.moe_layer_indices, counts[:, :-1]):
+            by_layer[index] = load.max() / load.mean()
+        dropped, slots = counts[:, -1].sum(), counts[:, :-1].sum()
+        # The balancing loss: each layer's mean over the step's forwards, summed over layers, and layers.
+        measured = balance[:, 1] > 0
+        aux = (balance[measured, 0] / balance[measured, 1]).sum()
+        totals = torch.stack([dropped, slots, aux, measured.sum().to(aux.dtype)]).to(by_layer.dtype)
+        health = torch.cat([by_layer, totals])
+        if self.pipeline_group is not None:  # every stage's layers, and the total drops
+            dist.all_reduce(health, group=self.pipeline_group)  # each layer is held by one stage
         for layer in self.moe_layers:
             layer.update_bias()
-        imbalance, dropped, slots = health.tolist()
-        return {"moe_load_max_over_mean": imbalance, "moe_dropped_fraction": dropped / max(slots, 1.0)}
+        *imbalances, dropped_all, slots_all, aux_sum, aux_layers = health.tolist()
+        metrics = {
+            "moe_load_max_over_mean": max(imbalances, default=0.0),
+            "moe_dropped_fraction": dropped_all / max(slots_all, 1.0),
+        }
+        if aux_layers:
+            metrics["moe_aux_loss"] = aux_sum / aux_layers
+        metrics |= {
+            f"moe_layer{index}_load_max_over_mean": value for index, value in enumerate(imbalances) if value
+        }
+        return metrics
+
+    def n_layers(self) -> int:
+        """Blocks of the whole model (every stage's): a stage is a copy of the model, config included."""
+        config: ModelConfig = self.parts[0].cfg  # type: ignore[assignment]  # models.llama.Transformer's
+        return config.n_layers
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -247,3 +281,9 @@ class PipelinedModel(ParallelModel):
                 return run_chunk(chunk_id, *args, **kwargs)
 
         return timed
+
+
+def _block_index(name: str) -> int:
+    """The block index in a module name such as 'layers.3.feed_forward' (wrappers' names between)."""
+    parts = name.split(".")
+    return int(parts[parts.index(sharding.BLOCKS) + 1])

@@ -166,10 +166,13 @@ def test_a_run_with_moe_layers_has_its_routing_charted_and_a_dense_one_has_no_ro
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for record in records:
         record.update(moe_load_max_over_mean=4.0 - 0.1 * record["step"], moe_dropped_fraction=0.02)
+        record.update(moe_layer1_load_max_over_mean=2.0, moe_layer10_load_max_over_mean=3.0, moe_aux_loss=1.1)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     routing = section(write_report(run_dir).read_text(), "chart-routing")
     assert "busiest expert / mean load, worst layer" in routing and "routed slots dropped, %" in routing
-    assert routing.count("<path") >= 2
+    assert ">layer 1<" in routing and ">layer 10<" in routing  # one line per layer
+    assert "balancing loss (mean over layers)" in routing
+    assert routing.count("<path") >= 4
     assert 'id="chart-routing"' not in write_report(fake_run(tmp_path / "dense")).read_text()
 
 

@@ -5,6 +5,7 @@ norm; each checked against autograd on the whole batch at once."""
 import copy
 from contextlib import nullcontext
 
+import pytest
 import torch
 
 from megascale.config import MoEConfig
@@ -76,7 +77,8 @@ def test_evaluate_leaves_no_gradient_and_clip_gradients_clips_the_global_norm():
 
 
 def test_finish_step_moves_the_routing_biases_and_reports_the_routers_health():
-    cfg = tiny_model_config(moe=MoEConfig(experts=4, top_k=2, capacity_factor=0.5, bias_update_rate=0.01))
+    moe = MoEConfig(experts=4, top_k=2, capacity_factor=0.5, bias_update_rate=0.01, aux_loss_coeff=0.1)
+    cfg = tiny_model_config(moe=moe)
     torch.manual_seed(0)
     model = Transformer(cfg)
     stepped = _one_process(model)
@@ -84,10 +86,18 @@ def test_finish_step_moves_the_routing_biases_and_reports_the_routers_health():
     layers = stepped.moe_layers
     loads = [layer.load.clone() for layer in layers]
     dropped = sum(float(layer.dropped) for layer in layers)
+    balance = [float(layer.balance[0] / layer.balance[1]) for layer in layers]  # 2 micro-batches each
+    assert all(int(layer.balance[1]) == 2 for layer in layers)
 
     health = stepped.finish_step()
 
     assert health["moe_load_max_over_mean"] == max(float(load.max() / load.mean()) for load in loads)
+    for index, load in zip(stepped.moe_layer_indices, loads):  # and each layer's, by its block index
+        assert health[f"moe_layer{index}_load_max_over_mean"] == pytest.approx(
+            float(load.max() / load.mean())
+        )
+    assert stepped.moe_layer_indices == list(range(cfg.n_layers))
+    assert health["moe_aux_loss"] == pytest.approx(sum(balance) / len(balance))
     assert health["moe_dropped_fraction"] == dropped / sum(float(load.sum()) for load in loads) > 0
     for layer, load in zip(layers, loads):
         assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(load.mean() - load))
