@@ -2,7 +2,8 @@
 FLOPs, side by side in one process.
 
 Times forward + backward of one feed-forward layer on the same tokens, in turns (one repeat of each kind,
-then the next repeat), by the process's CPU time, and reports each kind's median and the ratios:
+then the next repeat), by the process's CPU time (on an accelerator: wall time between synchronisations),
+and reports each kind's median, the tokens it passes per second, and the ratios:
 - `grouped`: megascale's MoE layer (models/moe.py): token slots sorted by expert, one `torch._grouped_mm`
   per projection;
 - `loop`: the same layer with its experts computed one at a time over the tokens routed to each (how
@@ -95,6 +96,8 @@ def run(repeats: int, device: torch.device, dtype: torch.dtype) -> dict[str, flo
                 if attempt:  # the first round warms up
                     times_ms[kind].append(1e3 * (clock() - started))
     results = {f"{kind}_{unit}": statistics.median(times) for kind, times in times_ms.items()}
+    rate = "tokens_per_cpu_s" if on_cpu else "tokens_per_s"  # forward + backward passes of the layer
+    results |= {f"{kind}_{rate}": BATCH * SEQ / (results[f"{kind}_{unit}"] / 1e3) for kind in kinds}
     results["loop_over_grouped"] = results[f"loop_{unit}"] / results[f"grouped_{unit}"]
     results["grouped_over_dense"] = results[f"grouped_{unit}"] / results[f"dense_{unit}"]
     results["tokens"] = BATCH * SEQ

@@ -96,7 +96,12 @@ class Router(nn.Module):
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
-        if self.normalize:
+        if self.normalize and self.top_k == 1:
+            # s / s is exactly 1 and its derivative 0; computed through autograd, that derivative is
+            # rounding noise, which Adam scales up to full-size router updates that differ by layout.
+            # w * 0 + 1 is 1 with an exactly-zero gradient (the router still has one, and optimizer state).
+            weights = weights * 0 + 1
+        elif self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, chosen, scores
 

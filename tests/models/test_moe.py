@@ -256,3 +256,19 @@ def test_the_planner_refuses_an_moe_model_naming_the_field():
     cfg = load_config(None, [f"--model.moe.experts={EXPERTS}"])
     with pytest.raises(ConfigError, match="model.moe.experts = 4 is not modelled by the planner"):
         job_from_config(cfg)
+
+
+def test_top_1_with_normalised_weights_gives_the_router_an_exactly_zero_gradient():
+    """A normalised single weight is s / s = 1, whose derivative is 0: computed through autograd it is
+    rounding noise, which Adam turns into full-size router updates that differ between layouts."""
+    cfg = load_config(None, ["--model.dim=32", "--model.moe.experts=4", "--model.moe.top_k=1"]).model
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    x = torch.randn(2, 16, 32)
+    layer(x).square().sum().backward()
+    gate = layer.router.gate.weight.grad
+    assert gate is not None and torch.count_nonzero(gate) == 0
+    weights, _, _ = layer.router(x.view(-1, 32))
+    assert torch.equal(weights, torch.ones_like(weights))
