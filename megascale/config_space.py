@@ -466,11 +466,15 @@ _PREREQUISITES: dict[str, dict[str, Any]] = {
     "parallel.overlap.pp": {"parallel.pp": 2},
     "parallel.sequence_parallel": {"parallel.tp": 2},
     "parallel.overlap.tp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    "parallel.ep": {"model.moe.experts": 4, "parallel.dp_shard": 2},
+    "parallel.ep_comm_dtype": {"model.moe.experts": 4, "parallel.dp_shard": 2, "parallel.ep": 2},
+    "parallel.overlap.ep": {"model.moe.experts": 4, "parallel.dp_shard": 2, "parallel.ep": 2},
 }
+_MOE = {"model.moe.experts": 4}  # what every MoE knob but the expert count needs
 
 
 def _activate(row: Row, key: str, rng: random.Random) -> None:
-    row.update(_PREREQUISITES.get(key, {}))
+    row.update(_PREREQUISITES.get(key, _MOE if key.startswith("model.moe.") else {}))
     if key == "parallel.overlap.pp" and row["parallel.pp_schedule"] == "gpipe":
         row["parallel.pp_schedule"] = rng.choice(("1f1b", "interleaved_1f1b"))
     if key in ("parallel.zero_stage", "parallel.overlap.dp", "parallel.rank_order") and not _dp(row):
