@@ -79,7 +79,7 @@ LAYOUTS = {  # flags, the overlaps that apply, the node of each rank
     # An MoE model's experts split over the two nodes: half of every dispatch and combine crosses them.
     "ep2": (
         ["--parallel.dp_shard=2", "--parallel.ep=2", "--model.moe.experts=4", "--model.moe.top_k=2"],
-        ("ep",),
+        ("ep", "dp"),
         (0, 1),
     ),
     "pp2": (
