@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from megascale import config_space
 from megascale.config import load_config
 from megascale.models.llama import Transformer
 from megascale.models.moe import MoE, training_step
@@ -16,6 +17,7 @@ from megascale.parallel.parallelize import parallelize
 from megascale.parallel.tensor import full_tensor
 from megascale.trainer import next_token_loss
 from tests.parallel.multiprocess import run_ranks
+from tests.parallel.parity_matrix import Matrix, refusal
 
 MODEL = [
     "--model.dim=32",
@@ -92,3 +94,26 @@ def test_the_chunks_deal_each_experts_slots_evenly_and_cover_every_slot_once():
     assert [part.tolist() for part in parts] == [[3, 0, 1, 1], [2, 0, 1, 0]]
     positions = _chunk_slots(counts, 2)
     assert [where.tolist() for where in positions] == [[0, 1, 2, 5, 7], [3, 4, 6]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel.dp_shard": 4, "parallel.ep": 2, "model.moe.capacity_factor": 1.0},  # experts FSDP over 2
+        {"parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero_stage": 1, "model.moe.score": "sigmoid"},
+    ],
+    ids=["ep2-x-edp2-capacity", "ep2-x-edp2-zero1-bias"],
+)
+def test_training_with_experts_sharded_over_ep_and_edp_matches_one_process(layout, tiny_corpus, tmp_path):
+    """The every-pair set's layouts have dp_shard 2, so edp 1: here the experts' FSDP over edp > 1 trains
+    10 steps against one process (and resumes and exports), as the matrix's rows do."""
+    row = {
+        **config_space.default_row(),
+        "model.moe.experts": 4,
+        "model.moe.bias_update_rate": 0.001,
+        **layout,
+    }
+    assert refusal(row) is None
+    result = Matrix(tiny_corpus, tmp_path).run(0, row)
+    assert result.status == "matched", result.message
