@@ -231,7 +231,7 @@ def _throughput(records: Records) -> str:
     return tokens + _lines([(label, "#8c564b", mfu)], y_fmt=lambda v: f"{v:.3g}%", height=165)
 
 
-# One color per MoE layer in the by-layer chart (matplotlib's tab10), repeating past ten layers.
+# One color per MoE layer in the by-layer chart (the first eight of matplotlib's tab10), repeating.
 LAYER_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 

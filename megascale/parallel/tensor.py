@@ -115,8 +115,9 @@ def apply_tensor_parallel(
     `routed_block_plan`."""
     tied = _tied_parameters(model)
     for block in model.get_submodule(blocks).children():
-        routed = routed_block_plan is not None and any(isinstance(module, MoE) for module in block.modules())
-        plan = routed_block_plan if routed_block_plan is not None and routed else block_plan
+        plan = block_plan
+        if routed_block_plan is not None and any(isinstance(module, MoE) for module in block.modules()):
+            plan = routed_block_plan
         parallelize_module(block, tp_mesh, _plan_for(block, plan, sequence_parallel, overlap_chunks))
     parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel, overlap_chunks))
     _tie_again(model, tied)
