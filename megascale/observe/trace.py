@@ -57,6 +57,7 @@ def merge_traces(run_dir: Path, session: Path | None = None, out: Path | None = 
         rank = int(path.stem.split("-")[1])
         ranks.append(rank)
         pp, dp, tp = (coords.get(key, 0) for key in ("pp", "dp", "tp"))
+        experts = f" · ep {coords['ep']}" if "ep" in coords else ""  # the expert-parallel rank, with ep
         for event in rank_events:
             if event.get("name") in ("process_name", "process_sort_index", "trace_end"):
                 continue
@@ -66,7 +67,7 @@ def merge_traces(run_dir: Path, session: Path | None = None, out: Path | None = 
                 "ph": "M",
                 "name": "process_name",
                 "pid": rank,
-                "args": {"name": f"pp {pp} · dp {dp} · tp {tp} · rank {rank}"},
+                "args": {"name": f"pp {pp} · dp {dp}{experts} · tp {tp} · rank {rank}"},
             }
         )
         events.append(

@@ -372,8 +372,12 @@ class ParallelDims:
         return self.sub_mesh(name).get_local_rank() if self.mesh is not None else 0
 
     def coordinates(self) -> dict[str, int]:
-        """This rank's place in the layout: pipeline stage, data-parallel rank, tensor-parallel rank."""
-        return {"pp": self.local_rank("pp"), "dp": self.dp_rank(), "tp": self.local_rank("tp")}
+        """This rank's place in the layout: pipeline stage, data-parallel rank, tensor-parallel rank, and
+        with expert parallelism its expert-parallel rank (which experts it holds)."""
+        place = {"pp": self.local_rank("pp"), "dp": self.dp_rank(), "tp": self.local_rank("tp")}
+        if self.ep > 1:
+            place["ep"] = self.expert_mesh()["ep"].get_local_rank()
+        return place
 
     def stage_of_ranks(self) -> list[int]:
         """The pipeline stage of every global rank, indexed by rank."""

@@ -182,3 +182,29 @@ timeline.close()
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_an_expert_parallel_run_names_each_ranks_experts_and_records_its_all_to_alls(tiny_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    args = tiny_args(
+        tiny_corpus,
+        run_dir,
+        tmp_path / "data",
+        "--model.moe.experts=4",
+        "--parallel.ep=2",
+        "--training.global_batch_size=8",
+        "--training.micro_batch_size=2",
+        "--training.val_every=100",
+    )
+    command = [sys.executable, "-m", "megascale.cli", "train", "--nproc", "2", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trace = json.loads(merge_traces(run_dir).read_text())
+    assert check_trace(trace) == []
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names[0].startswith("pp 0 · dp 0 · ep 0 · tp 0") and names[1].startswith(
+        "pp 0 · dp 1 · ep 1 · tp 0"
+    )
+    exchanges = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "all_to_all_single"]
+    assert {e["pid"] for e in exchanges} == {0, 1}
+    assert {e["args"]["group"] for e in exchanges} == {"mesh_ep"}
