@@ -3,9 +3,9 @@
 A profile holds what the step model (`megascale.plan.step`) needs to turn FLOPs and bytes into seconds:
 peak FLOP/s per dtype, HBM size and bandwidth, intra- and inter-node bandwidth and latency per device, and
 devices per node. The GPU figures are vendor datasheet numbers, not measurements (docs/gpu.md holds what
-one H100 measured; no link between GPUs has been); the CPU profile is built only from what `megascale calibrate` measured on this machine and
-refuses to exist before that. Peak FLOP/s come from the same table MFU uses (`megascale.observe.peak`), so
-a planned MFU and a measured one divide by the same number.
+one H100 measured; no link between GPUs has been); the CPU profile is built only from what `megascale
+calibrate` measured on this machine and refuses to exist before that. Peak FLOP/s come from the same table
+MFU uses (`megascale.observe.peak`), so a planned MFU and a measured one divide by the same number.
 
 Bandwidths are per device and per direction. Inter-node bandwidth is the device's own NIC: the MegaScale
 servers have eight 200 Gb/s NICs wired multi-rail, one per GPU (paper §3.6), as DGX-class A100/H100
