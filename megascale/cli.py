@@ -379,7 +379,8 @@ def _add_data_verbs(verbs: Any) -> None:
     prepare.set_defaults(run=cmd_prepare)
 
     convert = verbs.add_parser(
-        "convert", help="Convert weights to or from Hugging Face Llama or Mixtral (config.json, safetensors)."
+        "convert",
+        help="Convert weights to or from Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE (safetensors).",
     )
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument(

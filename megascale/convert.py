@@ -1,4 +1,5 @@
-"""`megascale convert`: weights between megascale checkpoints and Hugging Face Llama and Mixtral folders.
+"""`megascale convert`: weights between megascale checkpoints and Hugging Face folders (Llama, Mixtral,
+Qwen3, Qwen3-MoE).
 
 The tensor mapping lives in models/hf.py; this module moves whole artefacts: it finds the newest
 checkpoint of a run, loads only its model entry, and writes the other side's files. An imported model
@@ -38,7 +39,7 @@ def resolve_checkpoint(source: Path) -> str:
 
 
 def export_hf(source: Path, out_dir: Path) -> Path:
-    """Write the model of a run/checkpoint as a Hugging Face LlamaForCausalLM (MoE: Mixtral) folder."""
+    """Write the model of a run/checkpoint as a Hugging Face folder (models/hf.py says which family)."""
     checkpoint = resolve_checkpoint(source)
     model_cfg = from_dict({"model": read_manifest(checkpoint)["config"]["model"]}).model
     model = Transformer(model_cfg)
@@ -48,7 +49,8 @@ def export_hf(source: Path, out_dir: Path) -> Path:
 
 
 def import_hf(hf_dir: Path, out_dir: Path) -> Path:
-    """A Hugging Face Llama or Mixtral folder as a weights-only checkpoint and a train.toml using it."""
+    """A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder as a weights-only checkpoint and a
+    train.toml using it."""
     model_cfg, state_dict = load_hf(hf_dir)
     model = Transformer(model_cfg)
     model.load_state_dict(state_dict)

@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -111,6 +112,17 @@ def tiny_args(corpus, run_dir, cache_dir, *extra):
         f"--training.run_dir={run_dir}",
         *extra,
     ]
+
+
+def train_processes(nproc, corpus, tmp_path, *extra, timeout=300):
+    """`megascale train --nproc N` of the tiny job in tmp_path/run (data cached in tmp_path/data), failing
+    the test if it fails; the run directory."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(corpus, run_dir, tmp_path / "data", *extra)
+    command = [sys.executable, "-m", "megascale.cli", "train", "--nproc", str(nproc), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
 
 
 @pytest.fixture

@@ -233,6 +233,8 @@ def _throughput(records: Records) -> str:
 
 # One color per MoE layer in the by-layer chart (the first eight of matplotlib's tab10), repeating.
 LAYER_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+LAYER_LOAD_KEY = "moe_layer{}_load_max_over_mean"  # parallel/step.py's per-layer metric
+LAYER_LOAD = re.compile(LAYER_LOAD_KEY.format(r"(\d+)") + "$")
 
 
 def _routing(records: Records) -> dict[str, tuple[str, str]]:
@@ -243,17 +245,16 @@ def _routing(records: Records) -> dict[str, tuple[str, str]]:
         return {}
     chart = _lines([("busiest expert / mean load, worst layer", "#d62728", imbalance)], height=165)
     layers = sorted(
-        {key for record in records for key in record if key.startswith("moe_layer")},
-        key=lambda key: int(key.removeprefix("moe_layer").split("_")[0]),
+        {int(match[1]) for record in records for key in record if (match := LAYER_LOAD.match(key))}
     )
     if layers:
         series = [
             (
-                f"layer {key.removeprefix('moe_layer').split('_')[0]}",
+                f"layer {layer}",
                 LAYER_COLORS[i % len(LAYER_COLORS)],
-                _points(records, key),
+                _points(records, LAYER_LOAD_KEY.format(layer)),
             )
-            for i, key in enumerate(layers)
+            for i, layer in enumerate(layers)
         ]
         chart += _lines(series, height=165)
     dropped = _lines(

@@ -164,15 +164,18 @@ class ExpertParallelExperts(GroupedExperts):
             received = theirs.sum(1).tolist()
             payload = x if where is None else x[where]
             dispatches.append((*_all_to_all_start(payload, received, sent, group, wire), sent, received))
+        # Arrivals come grouped by source rank, then by expert; sorted by these keys (expert, then source)
+        # each expert's slots are one run for the grouped GEMM.
+        keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
+        keys = keys.to(counts.device)
         combines = []
         for (out, flight, sent, received), theirs in zip(dispatches, arriving):
-            arrived = _all_to_all_finish(out, flight, x.dtype)  # grouped by source rank, then by expert
-            # Regrouped by expert, then by source rank: each expert's slots one run for the grouped GEMM.
-            keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
-            order = keys.to(counts.device).repeat_interleave(theirs.flatten()).argsort(stable=True)
+            arrived = _all_to_all_finish(out, flight, x.dtype)
+            order = keys.repeat_interleave(theirs.flatten()).argsort(stable=True)
             computed = grouped_mlp(arrived[order], theirs.sum(0), *weights)  # type: ignore[arg-type]
-            combines.append(_all_to_all_start(computed[order.argsort()], sent, received, group, wire))
-        results = [_all_to_all_finish(out, flight, computed.dtype) for out, flight in combines]
+            started = _all_to_all_start(computed[order.argsort()], sent, received, group, wire)
+            combines.append((*started, computed.dtype))
+        results = [_all_to_all_finish(out, flight, dtype) for out, flight, dtype in combines]
         if positions[0] is None:
             return results[0]
         output = results[0].new_zeros(x.shape[0], results[0].shape[1])

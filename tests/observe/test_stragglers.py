@@ -1,14 +1,12 @@
 """Stragglers: the detector on made-up compute times, and a rank slowed 1.5x in a real 4-process run."""
 
 import random
-import subprocess
-import sys
 
 import pytest
 
 from megascale.observe.metrics import read_metrics
 from megascale.observe.stragglers import StragglerDetector
-from tests.conftest import tiny_args
+from tests.conftest import train_processes
 
 
 def noisy(rng, seconds):
@@ -48,11 +46,10 @@ def test_ranks_are_compared_with_the_ranks_of_their_own_pipeline_stage():
 @pytest.mark.slow
 @pytest.mark.parametrize("slowed", [None, 2])
 def test_a_rank_slowed_by_half_is_named_and_only_then(tiny_corpus, tmp_path, slowed):
-    run_dir = tmp_path / "run"
-    args = tiny_args(
+    run_dir = train_processes(
+        4,
         tiny_corpus,
-        run_dir,
-        tmp_path / "data",
+        tmp_path,
         "--parallel.dp_shard=4",
         "--training.global_batch_size=8",
         "--training.micro_batch_size=2",
@@ -62,9 +59,6 @@ def test_a_rank_slowed_by_half_is_named_and_only_then(tiny_corpus, tmp_path, slo
         "--metrics.straggler_window=10",
         *([f"--resilience.inject=slow:rank={slowed}:factor=1.5"] if slowed is not None else []),
     )
-    command = [sys.executable, "-m", "megascale.cli", "train", "--nproc", "4", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     named = sorted({rank for record in records for rank in record.get("stragglers", [])})
     log = (run_dir / "train.log").read_text()

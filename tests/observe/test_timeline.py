@@ -10,7 +10,7 @@ import time
 from megascale.observe.metrics import read_metrics
 from megascale.observe.timeline import WAIT, Timeline, read_trace
 from megascale.observe.trace import check_trace, merge_traces
-from tests.conftest import tiny_args
+from tests.conftest import train_processes
 from tests.parallel.multiprocess import run_ranks
 
 
@@ -86,20 +86,16 @@ def test_on_cpu_ranks_are_compared_by_the_cpu_time_their_compute_took(tmp_path):
 
 
 def test_a_four_process_run_merges_into_one_valid_trace(tiny_corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    args = tiny_args(
+    run_dir = train_processes(
+        4,
         tiny_corpus,
-        run_dir,
-        tmp_path / "data",
+        tmp_path,
         "--parallel.pp=2",
         "--parallel.dp_shard=2",
         "--training.global_batch_size=8",
         "--training.micro_batch_size=2",
         "--training.val_every=100",
     )
-    command = [sys.executable, "-m", "megascale.cli", "train", "--nproc", "4", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
     merged = merge_traces(run_dir)
     trace = json.loads(merged.read_text())
     assert check_trace(trace) == []
@@ -185,20 +181,16 @@ timeline.close()
 
 
 def test_an_expert_parallel_run_names_each_ranks_experts_and_records_its_all_to_alls(tiny_corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    args = tiny_args(
+    run_dir = train_processes(
+        2,
         tiny_corpus,
-        run_dir,
-        tmp_path / "data",
+        tmp_path,
         "--model.moe.experts=4",
         "--parallel.ep=2",
         "--training.global_batch_size=8",
         "--training.micro_batch_size=2",
         "--training.val_every=100",
     )
-    command = [sys.executable, "-m", "megascale.cli", "train", "--nproc", "2", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
     trace = json.loads(merge_traces(run_dir).read_text())
     assert check_trace(trace) == []
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
