@@ -20,14 +20,14 @@ def _mlp_params(cfg: ModelConfig, hidden: int) -> int:
     return (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * hidden
 
 
-def _attention_params(cfg: ModelConfig) -> int:
+def attention_params(cfg: ModelConfig) -> int:
     head_dim = head_dim_of(cfg)
     return 2 * cfg.dim * cfg.attention.n_heads * head_dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
 
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
     """Weights of one dense block's linear layers (q, k, v, o and the MLP)."""
-    return _attention_params(cfg) + _mlp_params(cfg, ffn_dim_of(cfg))
+    return attention_params(cfg) + _mlp_params(cfg, ffn_dim_of(cfg))
 
 
 def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
@@ -39,7 +39,7 @@ def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
         return cfg.n_layers * dense
     expert = _mlp_params(cfg, expert_dim_of(cfg))
     routed = moe.top_k if active else moe.experts
-    moe_layer = _attention_params(cfg) + cfg.dim * moe.experts + (routed + moe.shared_experts) * expert
+    moe_layer = attention_params(cfg) + cfg.dim * moe.experts + (routed + moe.shared_experts) * expert
     return moe.dense_layers * dense + (cfg.n_layers - moe.dense_layers) * moe_layer
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from megascale.config import ModelConfig, head_dim_of
 from megascale.models.feed_forward import ffn_dim_of
+from megascale.plan.experts import MoEWork
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Job, Layout
 
@@ -51,32 +52,67 @@ def gemm_seconds(flops: float, profile: HardwareProfile, dtype: str) -> float:
     return flops / (profile.peak_flops(dtype) * efficiency)
 
 
-def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
-    """(in, out) features of each linear layer of one block as one tensor-parallel rank holds it."""
+def attention_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(in, out) features of the attention's q, k, v and output projections on one tensor-parallel rank."""
     head_dim = head_dim_of(model)
     q_out, kv_out = model.attention.n_heads * head_dim, model.attention.n_kv_heads * head_dim
+    return [
+        (model.dim, q_out // tp),
+        (model.dim, kv_out // tp),
+        (model.dim, kv_out // tp),
+        (q_out // tp, model.dim),
+    ]
+
+
+def mlp_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(in, out) features of a dense MLP's projections on one tensor-parallel rank."""
     ffn = ffn_dim_of(model)
-    column = [(model.dim, q_out // tp), (model.dim, kv_out // tp), (model.dim, kv_out // tp)]
-    column += [(model.dim, ffn // tp)] * (2 if model.mlp == "swiglu" else 1)
-    row = [(q_out // tp, model.dim), (ffn // tp, model.dim)]
-    return column + row
+    return [(model.dim, ffn // tp)] * (2 if model.mlp == "swiglu" else 1) + [(ffn // tp, model.dim)]
 
 
-def block_time(job: Job, layout: Layout, profile: HardwareProfile, fused_kernels: bool) -> BlockTime:
-    """One block, one micro-batch, forward + backward (and recomputation), on one device."""
+def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(in, out) features of each linear layer of one dense block as one tensor-parallel rank holds it."""
+    return attention_shapes(model, tp) + mlp_shapes(model, tp)
+
+
+def _gemms_seconds(
+    shapes: list[tuple[int, int]], tokens: float, profile: HardwareProfile, dtype: str
+) -> float:
+    """Forward GEMM, then backward's two (input gradient and weight gradient) of the same size, each."""
+    return sum(3 * gemm_seconds(2 * tokens * n_in * n_out, profile, dtype) for n_in, n_out in shapes)
+
+
+def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+    """The attention's projections, forward + backward: split over the tp ranks by heads, or under
+    sequence-parallel attention ("sp") whole on each rank's share of the sequence."""
+    tokens = layout.micro_batch * job.seq_len
+    if layout.attention == "sp":
+        return _gemms_seconds(attention_shapes(job.model, 1), tokens / layout.tp, profile, job.dtype)
+    return _gemms_seconds(attention_shapes(job.model, layout.tp), tokens, profile, job.dtype)
+
+
+def block_time(
+    job: Job, layout: Layout, profile: HardwareProfile, fused_kernels: bool, moe: MoEWork | None = None
+) -> BlockTime:
+    """One block, one micro-batch, forward + backward (and recomputation), on one device; with `moe`,
+    a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`)."""
     model, dtype = job.model, job.dtype
     tokens = layout.micro_batch * job.seq_len
-    # Forward GEMM, then backward's two (input gradient and weight gradient) of the same size.
-    gemm_s = sum(
-        3 * gemm_seconds(2 * tokens * n_in * n_out, profile, dtype)
-        for n_in, n_out in linear_shapes(model, layout.tp)
-    )
+    gemm_s = attention_linear_seconds(job, layout, profile)
+    if moe is not None:
+        gemm_s += moe.gemm_s
+    elif layout.attention == "sp":
+        gemm_s += _gemms_seconds(mlp_shapes(model, 1), tokens / layout.tp, profile, dtype)
+    else:
+        gemm_s += _gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
     attention_fwd_s = _attention_forward_seconds(job, layout, profile, fused_kernels)
     passes = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
-    shard = layout.tp if layout.sequence_parallel else 1
+    shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
     elementwise_s = (
         tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
     )
+    if moe is not None:
+        elementwise_s += moe.shuffle_s
     host_s = profile.layer_overhead_s
     if layout.tp > 1:
         activations = tokens * model.dim * job.precision.activation_bytes

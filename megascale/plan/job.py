@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megascale.config import JobConfig, ModelConfig, fail
+from megascale.config import JobConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,18 @@ class Layout:
     zero_stage: int = 1  # 1: optimizer state sharded over dp; 2: + gradients; 3: + weights
     recompute: str = "selective"  # "none", "selective" (attention core) or "full" (whole blocks)
     sequence_parallel: bool = True
+    # Mixture of experts (docs/planning.md, "Mixture of experts"): the routed experts are split over ep
+    # ranks, which are data-parallel ranks unless moe_tp is "ep".
+    ep: int = 1
+    # How an MoE layer uses the tp ranks: "split" (each expert's hidden size split, tokens all-gathered
+    # and reduce-scattered as for a dense MLP: Megatron-LM), "whole" (computed whole on every tp rank
+    # on the whole sequence: megascale's trainer), "ep" (the tp ranks are the ep group, each sending its
+    # share of the sequence by all-to-all: MegaScale-MoE).
+    moe_tp: str = "split"
+    # How attention uses the tp ranks: "tp" (heads split, Megatron's TP + SP) or "sp" (every rank holds
+    # the whole weights and a share of the sequence; queries, keys and values exchanged by all-to-all to
+    # split the heads for the attention core: DeepSpeed-Ulysses, MegaScale-MoE's attention).
+    attention: str = "tp"
 
     @property
     def devices(self) -> int:
@@ -64,10 +76,20 @@ class Layout:
         """Micro-batches each pipeline runs per step."""
         return job.global_batch // (self.dp * self.micro_batch)
 
+    @property
+    def experts_over_tp(self) -> bool:
+        """Whether the tp ranks are the expert-parallel group (MegaScale-MoE)."""
+        return self.moe_tp == "ep"
+
     def describe(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        sp = " sp-attention" if self.attention == "sp" else ""
+        if self.experts_over_tp:
+            experts = f" ep{self.ep}=tp"
+        else:
+            experts = f" ep{self.ep}" if self.ep > 1 else ""
         return (
-            f"tp{self.tp} pp{self.pp}{chunks} dp{self.dp} mb{self.micro_batch} "
+            f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{experts} mb{self.micro_batch} "
             f"zero{self.zero_stage} recompute={self.recompute}"
         )
 
@@ -81,6 +103,12 @@ class Features:
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
+    # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
+    # "forward" (megascale's parallel.overlap.ep), or "both" (forward and backward).
+    ep_overlap: str = "none"
+    # How the system lays an MoE layer over the tp ranks (Layout.moe_tp): Megatron-LM splits each expert;
+    # MegaScale-MoE makes the tp ranks the expert-parallel group, with sequence-parallel attention.
+    moe_tp: str = "split"
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
 
@@ -94,13 +122,15 @@ MEGASCALE = Features(
     dp_overlap=True,
     fused_kernels=True,
     async_data=True,
+    ep_overlap="both",
+    moe_tp="ep",
     host_overhead_s=0.2,
 )
 
 
 # megascale's own trainer: FSDP2 synchronises every micro-batch; no overlap is modelled (on CPU, gloo
 # collectives and compute share the same cores).
-MEGASCALE_TRAINER = Features(dp_sync_per_micro_batch=True)
+MEGASCALE_TRAINER = Features(dp_sync_per_micro_batch=True, moe_tp="whole")
 
 
 @dataclass(frozen=True)
@@ -125,16 +155,11 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
         zero_stage=par.zero_stage if dp > 1 else 1,
         recompute=par.activation_checkpoint,
         sequence_parallel=par.sequence_parallel,
+        ep=par.ep,
+        moe_tp="whole",
     )
 
 
 def job_from_config(cfg: JobConfig) -> Job:
-    """The step a megascale config trains: its model, sequence, global batch and precision. MoE models
-    are refused: the cost model has no expert layers, and a dense prediction of one would mislead."""
-    if cfg.model.moe.experts:
-        fail(
-            "model.moe.experts",
-            cfg.model.moe.experts,
-            "is not modelled by the planner yet (its compute, memory and all-to-all); plan the dense model",
-        )
+    """The step a megascale config trains: its model, sequence, global batch and precision."""
     return Job(cfg.model, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.dtype, FP32_WEIGHTS)

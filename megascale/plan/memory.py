@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megascale.models.flops import matmul_params_per_layer
+from megascale.models.flops import attention_params, matmul_params_per_layer
+from megascale.plan.experts import (
+    expert_data_parallel,
+    moe_activation_bytes,
+    moe_block_params,
+    moe_layers,
+)
 from megascale.plan.job import Job, Layout
 
 
@@ -32,27 +38,51 @@ class Memory:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
 
 
-def stage_params(job: Job, layout: Layout) -> float:
-    """Parameters of the heaviest pipeline stage on one tensor-parallel rank (with the embedding or the
-    output layer)."""
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters one device holds that the same data-parallel group keeps copies of: `ranks` ranks,
+    `stride` apart, which ZeRO shards them over and gradient synchronisation spans."""
+
+    params: float
+    ranks: int
+    stride: int
+
+
+def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
+    """Parameters of the heaviest pipeline stage on one device (with the embedding or the output layer),
+    by data-parallel group: the routed experts, held by fewer ranks, apart from the rest."""
     model = job.model
-    block = matmul_params_per_layer(model) + 2 * model.dim
     layers = model.n_layers / layout.pp
-    vocab = model.vocab_size * model.dim
-    if layout.pp == 1:
-        return (layers * block + vocab * (1 if model.tie_embeddings else 2)) / layout.tp
-    return (layers * block + vocab) / layout.tp
+    moe_blocks = min(layers, moe_layers(model))  # the heaviest stage holds MoE blocks first
+    vocab = model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2)
+    split = layout.tp if layout.attention == "tp" else 1  # "sp" holds every weight whole
+    dense_block = matmul_params_per_layer(model) + 2 * model.dim
+    rest = ((layers - moe_blocks) * dense_block + vocab) / split
+    groups = [ParamGroup(0.0, layout.dp * (layout.tp // split), split)]
+    if moe_blocks:
+        shared, routed = moe_block_params(job, layout)
+        attention = (attention_params(model) + 2 * model.dim) / split
+        rest += moe_blocks * (attention + shared)
+        groups.append(ParamGroup(moe_blocks * routed, *expert_data_parallel(layout)))
+    groups[0] = ParamGroup(rest, groups[0].ranks, groups[0].stride)
+    return groups
 
 
-def activation_bytes_per_block(job: Job, layout: Layout) -> float:
-    """Activations one block keeps for its backward, per micro-batch, on one device."""
+def stage_params(job: Job, layout: Layout) -> float:
+    """Parameters of the heaviest pipeline stage on one device."""
+    return sum(group.params for group in stage_param_groups(job, layout))
+
+
+def activation_bytes_per_block(job: Job, layout: Layout, moe: bool = False) -> float:
+    """Activations one block keeps for its backward, per micro-batch, on one device; with `moe`, a block
+    whose MLP (19 of the 34 sbh) is a mixture-of-experts layer (`megascale.plan.experts`)."""
     s, b, h, t = job.seq_len, layout.micro_batch, job.model.dim, layout.tp
     scale = job.precision.activation_bytes / 2  # the formula counts 2-byte activations
+    sharded = layout.sequence_parallel or layout.attention == "sp"
     if layout.recompute == "full":
-        return s * b * h * 2 * scale / (t if layout.sequence_parallel else 1)
-    if layout.sequence_parallel:
-        return s * b * h * 34 / t * scale
-    return s * b * h * (10 + 24 / t) * scale
+        return s * b * h * 2 * scale / (t if sharded else 1)
+    dense = s * b * h * (34 / t if sharded else 10 + 24 / t) * scale
+    return dense * 15 / 34 + moe_activation_bytes(job, layout) if moe else dense
 
 
 def micro_batches_in_flight(job: Job, layout: Layout) -> float:
@@ -68,13 +98,18 @@ def micro_batches_in_flight(job: Job, layout: Layout) -> float:
 
 def memory_per_device(job: Job, layout: Layout) -> Memory:
     """Peak bytes on the busiest device."""
-    precision, dp = job.precision, layout.dp
-    params = stage_params(job, layout)
-    weights = params * precision.weight_bytes / (dp if layout.zero_stage >= 3 else 1)
-    grads = params * precision.grad_bytes / (dp if layout.zero_stage >= 2 else 1)
-    optimizer = params * precision.optimizer_bytes / (dp if layout.zero_stage >= 1 else 1)
+    precision, zero = job.precision, layout.zero_stage
+    groups = stage_param_groups(job, layout)
+
+    def held(nbytes: int, sharded_from: int) -> float:
+        return sum(g.params * nbytes / (g.ranks if zero >= sharded_from else 1) for g in groups)
+
+    weights, grads = held(precision.weight_bytes, 3), held(precision.grad_bytes, 2)
+    optimizer = held(precision.optimizer_bytes, 1)
     blocks = job.model.n_layers / layout.pp
-    activations = blocks * activation_bytes_per_block(job, layout)
+    moe_blocks = min(blocks, moe_layers(job.model))
+    activations = (blocks - moe_blocks) * activation_bytes_per_block(job, layout)
+    activations += moe_blocks * activation_bytes_per_block(job, layout, moe=True)
     activations *= micro_batches_in_flight(job, layout)
     logits = 2 * 4 * layout.micro_batch * job.seq_len * job.model.vocab_size / layout.tp  # fp32, and its grad
     return Memory(weights, grads, optimizer, activations + logits)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import flops_per_token
@@ -163,7 +164,8 @@ def table_3() -> list[Row]:
     model = with_ptb_swa(MODEL_175B)
     features = MEGATRON
     for change in ("tp_overlap", "pp_overlap", "dp_overlap", "fused_kernels", "async_data"):
-        features = dataclasses.replace(features, **{change: True})
+        turned_on: dict[str, Any] = {change: True}
+        features = dataclasses.replace(features, **turned_on)
         steps.append((model, features, 256))
     steps.append((model, features, 768))
     return [

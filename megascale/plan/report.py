@@ -33,18 +33,22 @@ from megascale.plan.step import estimate_step
 SYSTEMS = {"megascale": MEGASCALE, "megatron-lm": MEGATRON, "trainer": MEGASCALE_TRAINER}
 GROUPS = {
     "compute": ("gemm", "attention", "elementwise", "host_dispatch", "recompute", "output_layer"),
-    "comm": ("tp_exposed", "pp_exposed", "dp_exposed"),
+    "comm": ("tp_exposed", "ep_exposed", "pp_exposed", "dp_exposed"),
     "bubble": ("bubble",),
     "other": ("stragglers", "core_sharing", "optimizer", "host"),
 }
 EXPLAIN = {
-    "gemm": "linear layers: 6 x tokens x weights / tp FLOPs, each GEMM at the efficiency its size earns",
+    "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
+    "6 x tokens x weights FLOPs, each GEMM at the efficiency its size earns",
     "attention": "score matmuls in a FlashAttention kernel (v2 with fused kernels, else v1 at half speed)",
-    "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM",
+    "elementwise": "norms, activations, dropout, residuals (and MoE token shuffling): passes over the "
+    "activations through HBM",
     "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
     "recompute": "the forward again under full activation checkpointing",
     "output_layer": "vocabulary projection on the last stage (and host time outside the blocks)",
-    "tp_exposed": "TP/SP all-gathers and reduce-scatters not hidden behind GEMMs",
+    "tp_exposed": "TP/SP all-gathers and reduce-scatters (or sequence-parallel attention's all-to-alls) "
+    "not hidden behind GEMMs",
+    "ep_exposed": "expert-parallel dispatch and combine all-to-alls not hidden behind the experts' GEMMs",
     "pp_exposed": "blocking pipeline sends/receives (none with PP overlap)",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
     "stragglers": "expected wait for the slowest host (0.5% of hosts 10% slower, paper §5.1, §6.3)",
@@ -96,9 +100,15 @@ def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
 
 
 def config_overrides(layout: Layout, rank_order: str) -> str:
-    """The overrides that make `megascale train` run `layout`."""
+    """The overrides that make `megascale train` run `layout` (or why it cannot)."""
+    if layout.attention == "sp" or layout.experts_over_tp:
+        return (
+            "not by megascale's trainer: sequence-parallel attention with the experts over the tp ranks is "
+            "MegaScale-MoE's layout (plan with --system trainer for layouts it trains)"
+        )
     schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b"
     zero = f" --parallel.zero_stage={layout.zero_stage}" if layout.dp > 1 else ""
+    zero += f" --parallel.ep={layout.ep}" if layout.ep > 1 else ""
     return (
         f"--parallel.tp={layout.tp} --parallel.pp={layout.pp} "
         f"--parallel.pp_virtual_stages={layout.virtual_stages} "

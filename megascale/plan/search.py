@@ -9,9 +9,11 @@ needing a multiple of pp); it is kept if its peak memory fits the device with ME
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megascale.errors import ConfigError
+from megascale.plan.experts import is_moe, layout_problem
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.step import StepEstimate, estimate_step
@@ -32,9 +34,15 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    job: Job, devices: int, profile: HardwareProfile, fixed: dict[str, int], recomputes: tuple[str, ...]
+    job: Job,
+    devices: int,
+    profile: HardwareProfile,
+    fixed: dict[str, int],
+    recomputes: tuple[str, ...],
+    moe_tp: str = "split",
 ) -> list[Layout]:
-    """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8})."""
+    """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8}). An MoE model's layers go over the
+    tp ranks as `moe_tp` says (the system's way), its experts over any ep that divides them."""
     model = job.model
     layouts = []
     for tp in divisors(devices):
@@ -54,10 +62,23 @@ def candidate_layouts(
                 for virtual_stages in _virtual_stage_choices(model.n_layers, pp, micro_batches):
                     for zero_stage in (2, 3) if dp > 1 else (1,):
                         for recompute in recomputes:
-                            layout = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute)
-                            if all(getattr(layout, key) == value for key, value in fixed.items()):
-                                layouts.append(layout)
+                            base = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute)
+                            for layout in _expert_layouts(job, base, moe_tp):
+                                if all(getattr(layout, key) == value for key, value in fixed.items()):
+                                    layouts.append(layout)
     return layouts
+
+
+def _expert_layouts(job: Job, layout: Layout, moe_tp: str) -> list[Layout]:
+    """`layout` with each legal way of spreading the model's experts (itself for a dense model)."""
+    if not is_moe(job.model):
+        return [layout]
+    if moe_tp == "ep" and layout.tp > 1:
+        chosen = [dataclasses.replace(layout, moe_tp="ep", ep=layout.tp, attention="sp")]
+    else:
+        base = "whole" if moe_tp == "ep" else moe_tp
+        chosen = [dataclasses.replace(layout, moe_tp=base, ep=ep) for ep in divisors(layout.dp)]
+    return [choice for choice in chosen if layout_problem(job, choice) is None]
 
 
 def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int) -> list[int]:
@@ -86,7 +107,7 @@ def search(
     """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal or none fits.
     `skip_selective` leaves out selective recomputation, which is the same as none with fused attention."""
     recomputes = ("none", "full") if skip_selective else ("none", "selective", "full")
-    layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes)
+    layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes, features.moe_tp)
     if not layouts:
         pinned = "".join(f" --{key} {value}" for key, value in (fixed or {}).items())
         raise ConfigError(

@@ -27,14 +27,31 @@ on every process at once, slowed by the full sharing factor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from megascale.config import head_dim_of
+from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token
 from megascale.plan.comm import gather_or_scatter_seconds, group_spans_nodes, send_seconds
-from megascale.plan.compute import block_time, output_layer_seconds
+from megascale.plan.compute import (
+    BlockTime,
+    attention_linear_seconds,
+    block_time,
+    gemm_seconds,
+    output_layer_seconds,
+)
+from megascale.plan.experts import (
+    MoEWork,
+    all_to_all_seconds,
+    exposed_all_to_all_seconds,
+    layout_problem,
+    moe_layers,
+    moe_work,
+)
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
-from megascale.plan.memory import Memory, memory_per_device, stage_params
+from megascale.plan.memory import Memory, memory_per_device, stage_param_groups
 
 TP_OVERLAP_CHUNKS = 4
 
@@ -58,30 +75,47 @@ def estimate_step(
     job: Job, layout: Layout, features: Features, profile: HardwareProfile, cluster: Cluster
 ) -> StepEstimate:
     """Predict one step of `job` laid out as `layout` on `cluster` devices of `profile`."""
+    if problem := layout_problem(job, layout):
+        raise ConfigError(f"plan: layout {layout.describe()}: {problem}")
     model, m = job.model, layout.micro_batches(job)
     blocks = model.n_layers / layout.pp
-    block = block_time(job, layout, profile, features.fused_kernels)
-    tp_exposed_s = _tp_exposed_seconds(job, layout, profile, features, block.gemm_s)
+    moe_blocks = min(blocks, moe_layers(model))  # the slowest stage holds MoE blocks first
+    dense = block_time(job, layout, profile, features.fused_kernels)
+    kinds: list[tuple[float, BlockTime, MoEWork | None]] = [(blocks - moe_blocks, dense, None)]
+    if moe_blocks:
+        moe = moe_work(job, layout, profile, features.fused_kernels, _gemm(job, profile))
+        kinds.append((moe_blocks, block_time(job, layout, profile, features.fused_kernels, moe), moe))
+
+    def per_micro_batch(seconds: Callable[[BlockTime, MoEWork | None], float]) -> float:
+        return sum(count * seconds(block, moe) for count, block, moe in kinds)
+
+    tp_exposed_s = per_micro_batch(
+        lambda block, moe: _tp_exposed_seconds(job, layout, profile, features, block, moe)
+    )
+    ep_exposed_s = per_micro_batch(
+        lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap) if moe else 0.0
+    )
     output_s = output_layer_seconds(job, layout, profile)
     pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile)
-    micro_batch_s = blocks * (block.total_s + tp_exposed_s) + output_s + pp_exposed_s
+    compute_s = per_micro_batch(lambda block, moe: block.total_s)
+    micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + output_s + pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
     dp_exposed_s = _dp_exposed_seconds(job, layout, profile, features, m * micro_batch_s)
-    per_block = m * blocks
     terms = {
-        "gemm": per_block * block.gemm_s,
-        "attention": per_block * block.attention_s,
-        "elementwise": per_block * block.elementwise_s,
-        "host_dispatch": per_block * block.host_s,
-        "recompute": per_block * block.recompute_s,
+        "gemm": m * per_micro_batch(lambda block, moe: block.gemm_s),
+        "attention": m * per_micro_batch(lambda block, moe: block.attention_s),
+        "elementwise": m * per_micro_batch(lambda block, moe: block.elementwise_s),
+        "host_dispatch": m * per_micro_batch(lambda block, moe: block.host_s),
+        "recompute": m * per_micro_batch(lambda block, moe: block.recompute_s),
         "output_layer": m * output_s,
-        "tp_exposed": per_block * tp_exposed_s,
+        "tp_exposed": m * tp_exposed_s,
+        "ep_exposed": m * ep_exposed_s,
         "pp_exposed": m * pp_exposed_s,
         "bubble": bubble * micro_batch_s,
         "stragglers": (slowdown - 1) * (m + bubble) * micro_batch_s,
         "core_sharing": _core_sharing_seconds(
-            cluster, profile, m * (blocks * block.total_s + output_s), (m + bubble) * micro_batch_s
+            cluster, profile, m * (compute_s + output_s), (m + bubble) * micro_batch_s
         ),
         "dp_exposed": dp_exposed_s,
         "optimizer": _core_sharing(cluster, profile) * _optimizer_seconds(job, layout, profile),
@@ -96,13 +130,53 @@ def estimate_step(
     )
 
 
+def _gemm(job: Job, profile: HardwareProfile) -> Callable[[float], float]:
+    return lambda flops: gemm_seconds(flops, profile, job.dtype)
+
+
 def _tp_exposed_seconds(
-    job: Job, layout: Layout, profile: HardwareProfile, features: Features, gemm_s: float
+    job: Job,
+    layout: Layout,
+    profile: HardwareProfile,
+    features: Features,
+    block: BlockTime,
+    moe: MoEWork | None,
 ) -> float:
-    """TP/SP collective seconds per block per micro-batch (forward + backward) that stay on the critical
-    path (none apart from the host times when the profile measured them with the communication in)."""
+    """Model-parallel collective seconds of one block per micro-batch (forward + backward) that stay on
+    the critical path (none apart from the host times when the profile measured them with the
+    communication in). A dense block with head-split attention is Megatron's case below; sequence-
+    parallel attention and MoE layers have their own exchanges (the all-to-alls of expert parallelism are
+    counted apart, in `ep_exposed`)."""
     if layout.tp == 1 or profile.tp_comm_measured:
         return 0.0
+    if moe is None and layout.attention == "tp":
+        return _megatron_tp_exposed_seconds(job, layout, profile, features, block.gemm_s)
+    full = layout.recompute == "full"
+    payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes
+    gather_s = gather_or_scatter_seconds(
+        payload, layout.tp, profile, group_spans_nodes(1, layout.tp, profile.devices_per_node)
+    )
+    if layout.attention == "sp":
+        attention_s = _sequence_parallel_attention_seconds(job, layout, profile)
+        if features.tp_overlap:  # the exchanges fused into the projections' GEMMs (MegaScale-MoE §4)
+            linear_s = attention_linear_seconds(job, layout, profile)
+            attention_s = attention_s / TP_OVERLAP_CHUNKS + max(0.0, attention_s - linear_s)
+    else:  # Megatron's all-gather and reduce-scatter pair, not fused in a serial block
+        attention_s = (5 + (2 if full else 0)) * gather_s
+    if moe is None or layout.moe_tp == "ep":
+        return attention_s  # the MLP runs on the rank's share of the sequence, or its experts' slots
+    if layout.moe_tp == "whole":  # the whole sequence gathered forward, its gradient scattered backward
+        return attention_s + (2 + (1 if full else 0)) * gather_s
+    mlp_s = (5 + (2 if full else 0)) * gather_s  # "split": the dense MLP's pair around the experts
+    if features.tp_overlap:
+        mlp_s = mlp_s / TP_OVERLAP_CHUNKS + max(0.0, mlp_s - moe.gemm_s)
+    return attention_s + mlp_s
+
+
+def _megatron_tp_exposed_seconds(
+    job: Job, layout: Layout, profile: HardwareProfile, features: Features, gemm_s: float
+) -> float:
+    """A dense block under Megatron's tensor and sequence parallelism."""
     # Megatron's sequence parallelism: a column-parallel group all-gathers its input forward, and all-gathers
     # it again and reduce-scatters its input gradient backward; a row-parallel one reduce-scatters forward
     # and all-gathers backward. A serial block has two of each, a parallel block (PTB) one.
@@ -117,6 +191,20 @@ def _tp_exposed_seconds(
     fused_s = fused_share * comm_s
     exposed_fused_s = fused_s / TP_OVERLAP_CHUNKS + max(0.0, fused_s - fused_share * gemm_s)
     return comm_s - fused_s + exposed_fused_s
+
+
+def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+    """DeepSpeed-Ulysses' all-to-alls around the attention core, forward + backward (+ recomputation):
+    each rank's share of the sequence's queries, keys and values sent to the ranks of their heads, and
+    the attention's output back."""
+    model = job.model
+    head_dim = head_dim_of(model)
+    tokens = layout.micro_batch * job.seq_len / layout.tp
+    nbytes = job.precision.activation_bytes
+    qkv = tokens * (model.attention.n_heads + 2 * model.attention.n_kv_heads) * head_dim * nbytes
+    out = tokens * model.attention.n_heads * head_dim * nbytes
+    passes = 2 + (1 if layout.recompute == "full" else 0)
+    return passes * sum(all_to_all_seconds(payload, layout.tp, 1, profile) for payload in (qkv, out))
 
 
 def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
@@ -166,21 +254,23 @@ def _dp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, compute_s: float
 ) -> float:
     """Data-parallel seconds per step on the critical path: the gradient reduce-scatter and the weight
-    all-gather(s), less what overlaps `compute_s`."""
-    if layout.dp == 1:
-        return 0.0
-    params = stage_params(job, layout)
+    all-gather(s) of each data-parallel group (the routed experts have their own), less what overlaps
+    `compute_s`."""
     precision = job.precision
     gathers = 2 if layout.zero_stage >= 3 else 1  # ZeRO-3 gathers the weights again for the backward
-    cross = group_spans_nodes(layout.tp, layout.dp, profile.devices_per_node)
     units = job.model.n_layers / layout.pp + 1  # one collective per block (FSDP unit) and one for the rest
-    sync_s = sum(
-        gather_or_scatter_seconds(params * nbytes / units, layout.dp, profile, cross) * units
-        for nbytes in (precision.grad_bytes, *[precision.weight_bytes] * gathers)
-    )
+    sync_s = 0.0
+    for group in stage_param_groups(job, layout):
+        if group.ranks == 1:
+            continue
+        cross = group_spans_nodes(group.stride, group.ranks, profile.devices_per_node)
+        sync_s += sum(
+            gather_or_scatter_seconds(group.params * nbytes / units, group.ranks, profile, cross) * units
+            for nbytes in (precision.grad_bytes, *[precision.weight_bytes] * gathers)
+        )
     per_micro_batch = features.dp_sync_per_micro_batch and layout.zero_stage >= 2  # ZeRO-1: once a step
     total_s = sync_s * (layout.micro_batches(job) if per_micro_batch else 1)
-    if not features.dp_overlap:
+    if not features.dp_overlap or not total_s:
         return total_s
     return max(total_s / (2 * layout.virtual_stages), total_s - compute_s)
 
@@ -192,9 +282,10 @@ def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> fl
     dispatches every operator (a CPU) the norm, clipping and optimizer step cost measured host seconds per
     block held, more when the weights are DTensors (TP, FSDP)."""
     precision = job.precision
-    params = stage_params(job, layout) / (layout.dp if layout.zero_stage >= 1 else 1)
+    groups = stage_param_groups(job, layout)
+    params = sum(group.params / (group.ranks if layout.zero_stage >= 1 else 1) for group in groups)
     touched = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.weight_bytes
-    held = stage_params(job, layout)
+    held = sum(group.params for group in groups)
     per_block_s = profile.update_layer_overhead_s
     per_block_s += profile.tp_update_layer_overhead_s if layout.tp > 1 else 0.0
     per_block_s += profile.dp_update_layer_overhead_s if layout.dp > 1 else 0.0

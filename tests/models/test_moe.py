@@ -249,15 +249,6 @@ def test_a_forward_recomputed_by_activation_checkpointing_is_counted_once():
     assert int(layer.load.sum()) == 2 * 8 * 2
 
 
-def test_the_planner_refuses_an_moe_model_naming_the_field():
-    from megascale.errors import ConfigError
-    from megascale.plan.job import job_from_config
-
-    cfg = load_config(None, [f"--model.moe.experts={EXPERTS}"])
-    with pytest.raises(ConfigError, match="model.moe.experts = 4 is not modelled by the planner"):
-        job_from_config(cfg)
-
-
 def test_top_1_with_normalised_weights_gives_the_router_an_exactly_zero_gradient():
     """A normalised single weight is s / s = 1, whose derivative is 0: computed through autograd it is
     rounding noise, which Adam turns into full-size router updates that differ between layouts."""

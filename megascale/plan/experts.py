@@ -1,0 +1,200 @@
+"""A mixture-of-experts layer in the cost model: its GEMMs, token shuffling and all-to-alls on one device.
+
+Where an MoE layer's work lands depends on how the layout spreads it (`Layout.moe_tp`, `Layout.ep`):
+- "split" (Megatron-LM): each rank of a tp group holds 1/tp of every expert's hidden size and computes
+  every token slot of the group's micro-batch for its slices, the tokens all-gathered before the layer and
+  reduce-scattered after it as for a dense MLP. Each expert GEMM is 1/tp as wide.
+- "whole" (megascale's trainer): every tp rank computes the whole layer on the whole sequence.
+- "ep" (MegaScale-MoE): the tp ranks are the expert-parallel group; each holds experts/tp whole experts
+  and sends the token slots of its share of the sequence to their experts' ranks by all-to-all.
+With `ep > 1` outside "ep" the experts are split over ep data-parallel ranks, which exchange their own
+micro-batches' slots the same way. Experts are taken as evenly loaded (the balancing the router is trained
+for), so every device computes its share of the slots: tokens x top_k x (its experts / all experts).
+
+The all-to-all is timed per device from the bytes it sends to the other ranks of its group, those on its
+node over the intra-node link and the rest over its NIC at the same time; a chunked overlap
+(`Features.ep_overlap`, MegaScale-MoE §4) hides it behind the experts' GEMMs as far as they last, the
+first chunk excepted, as the TP overlap does (`megascale.plan.step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.config import ModelConfig
+from megascale.models.moe import expert_dim_of
+from megascale.plan.comm import link
+from megascale.plan.hardware import HardwareProfile
+from megascale.plan.job import Job, Layout
+
+# Passes of each routed slot's hidden vector through HBM: gathered into expert order (read + write) and
+# scattered back weighted (read + write), forward and again backward. MegaScale-MoE fuses the gather and
+# scatter into its communication kernels (§3.2: its own scatter/gather operators): half the passes.
+PERMUTE_PASSES_UNFUSED = 8
+PERMUTE_PASSES_FUSED = 4
+# Passes of each slot's expert hidden vector by the SwiGLU (or GeLU) between the expert GEMMs: forward
+# reads the two projections and writes their product; backward reads three and writes two.
+EXPERT_ACTIVATION_PASSES = 8
+# Chunks an overlapped all-to-all is cut into; the first one's transfer is always exposed.
+EP_OVERLAP_CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class MoEWork:
+    """One MoE layer (without its attention), one micro-batch, forward + backward, on one device."""
+
+    gemm_s: float  # router, routed experts and shared experts
+    expert_gemm_s: float  # the part of gemm_s an all-to-all can overlap (routed experts)
+    shuffle_s: float  # slots gathered into expert order and back, and the experts' activation function
+    all_to_all_s: float  # dispatch and combine, forward and backward (and recomputation)
+    forward_all_to_all_s: float  # the forward's share of all_to_all_s
+
+
+def is_moe(model: ModelConfig) -> bool:
+    return model.moe.experts > 0
+
+
+def moe_layers(model: ModelConfig) -> int:
+    return model.n_layers - model.moe.dense_layers if is_moe(model) else 0
+
+
+def expert_group(layout: Layout) -> int:
+    """Ranks the routed experts are split over."""
+    return layout.tp if layout.experts_over_tp else layout.ep
+
+
+def tokens_in(job: Job, layout: Layout) -> float:
+    """Tokens entering the layer's router on one device: its share of the sequence under "ep", the
+    whole micro-batch otherwise (all-gathered under "split")."""
+    tokens = layout.micro_batch * job.seq_len
+    return tokens / layout.tp if layout.experts_over_tp else tokens
+
+
+def slots_computed(job: Job, layout: Layout) -> float:
+    """Routed token slots one device's experts compute (evenly loaded experts)."""
+    return tokens_in(job, layout) * job.model.moe.top_k
+
+
+def expert_width(job: Job, layout: Layout) -> int:
+    """Hidden size of each expert as one device holds it."""
+    width = expert_dim_of(job.model)
+    return width // layout.tp if layout.moe_tp == "split" else width
+
+
+def layout_problem(job: Job, layout: Layout) -> str | None:
+    """Why this MoE layout cannot run, or None."""
+    model = job.model
+    if layout.moe_tp not in ("split", "whole", "ep"):
+        return f"moe_tp {layout.moe_tp!r} is not one of split, whole, ep"
+    if layout.attention not in ("tp", "sp"):
+        return f"attention {layout.attention!r} is not one of tp, sp"
+    if not is_moe(model):
+        return "ep > 1 needs an MoE model" if layout.ep > 1 or layout.experts_over_tp else None
+    if layout.experts_over_tp and layout.ep != layout.tp:
+        return f"moe_tp 'ep' makes the tp ranks the expert group: ep {layout.ep} must equal tp {layout.tp}"
+    if layout.experts_over_tp and layout.tp > 1 and layout.attention == "tp" and not layout.sequence_parallel:
+        return "moe_tp 'ep' needs the sequence split over the tp ranks (sequence parallelism)"
+    if not layout.experts_over_tp and layout.dp % layout.ep:
+        return f"ep {layout.ep} must divide dp {layout.dp}"
+    if model.moe.experts % expert_group(layout):
+        return f"{model.moe.experts} experts do not split over {expert_group(layout)} ranks"
+    if layout.moe_tp == "split" and expert_dim_of(model) % layout.tp:
+        return f"expert hidden size {expert_dim_of(model)} does not split over tp {layout.tp}"
+    return None
+
+
+def all_to_all_seconds(bytes_per_rank: float, ranks: int, stride: int, profile: HardwareProfile) -> float:
+    """One all-to-all in which every rank holds `bytes_per_rank` and keeps 1/ranks of it; the group's
+    ranks are `stride` apart (consecutive ranks share nodes). Each peer gets its part directly: the parts
+    for peers on the node take the intra-node link, the rest the NIC, both at once."""
+    if ranks <= 1:
+        return 0.0
+    on_node = max(1, min(ranks, profile.devices_per_node // stride))
+    local_peers, remote_peers = on_node - 1, ranks - on_node
+    part = bytes_per_rank / ranks
+    seconds = 0.0
+    for peers, cross in ((local_peers, False), (remote_peers, True)):
+        if peers:
+            bandwidth, latency = link(profile, cross)
+            seconds = max(seconds, latency + peers * part / bandwidth)
+    return seconds
+
+
+def moe_work(
+    job: Job, layout: Layout, profile: HardwareProfile, fused_kernels: bool, gemm_seconds
+) -> MoEWork:
+    """The MoE layer of one block; `gemm_seconds(flops)` times one GEMM at the efficiency its size earns."""
+    model, moe = job.model, job.model.moe
+    projections = 3 if model.mlp == "swiglu" else 2
+    width = expert_width(job, layout)
+    local_experts = moe.experts // expert_group(layout)
+    slots = slots_computed(job, layout)
+    per_expert = slots / local_experts
+    # Forward GEMM, then backward's two of the same size, for each projection of each local expert.
+    expert_gemm_s = local_experts * projections * 3 * gemm_seconds(2 * per_expert * model.dim * width)
+    tokens = tokens_in(job, layout)
+    router_tokens = tokens / layout.tp if layout.moe_tp == "split" and layout.sequence_parallel else tokens
+    router_s = 3 * gemm_seconds(2 * router_tokens * model.dim * moe.experts)
+    shared_s = 0.0
+    if moe.shared_experts:
+        shared_width = moe.shared_experts * width
+        shared_s = projections * 3 * gemm_seconds(2 * tokens * model.dim * shared_width)
+    nbytes = job.precision.activation_bytes
+    passes = PERMUTE_PASSES_FUSED if fused_kernels else PERMUTE_PASSES_UNFUSED
+    shuffle_bytes = slots * nbytes * (passes * model.dim + EXPERT_ACTIVATION_PASSES * width)
+    shuffle_bytes += tokens * nbytes * EXPERT_ACTIVATION_PASSES * moe.shared_experts * width
+    exchanges = 2 if layout.recompute != "full" else 3  # dispatch + combine per pass: fwd, bwd (, again)
+    stride = 1 if layout.experts_over_tp else layout.tp
+    one_s = all_to_all_seconds(slots * model.dim * nbytes, expert_group(layout), stride, profile)
+    return MoEWork(
+        gemm_s=expert_gemm_s + router_s + shared_s,
+        expert_gemm_s=expert_gemm_s,
+        shuffle_s=shuffle_bytes / profile.hbm_bytes_per_s,
+        all_to_all_s=2 * exchanges * one_s,
+        forward_all_to_all_s=2 * one_s,
+    )
+
+
+def exposed_all_to_all_seconds(work: MoEWork, overlap: str) -> float:
+    """What of the layer's all-to-alls stays on the critical path: all of it without overlap; with it,
+    the first chunk and whatever outlasts the expert GEMMs it runs beside (the forward's alone under
+    "forward", a third of them)."""
+    if overlap == "none" or not work.all_to_all_s:
+        return work.all_to_all_s
+    if overlap == "forward":
+        hidden_s, beside_s = work.forward_all_to_all_s, work.expert_gemm_s / 3
+    else:
+        hidden_s, beside_s = work.all_to_all_s, work.expert_gemm_s
+    exposed_s = hidden_s / EP_OVERLAP_CHUNKS + max(0.0, hidden_s - beside_s)
+    return work.all_to_all_s - hidden_s + min(hidden_s, exposed_s)
+
+
+def moe_block_params(job: Job, layout: Layout) -> tuple[float, float]:
+    """(parameters of one MoE block's layer outside the routed experts, the routed experts) one device
+    holds: router and shared experts split like a dense MLP under "split", whole otherwise."""
+    model, moe = job.model, job.model.moe
+    expert = (3 if model.mlp == "swiglu" else 2) * model.dim * expert_dim_of(model)
+    split = layout.tp if layout.moe_tp == "split" else 1
+    routed = moe.experts * expert / split / expert_group(layout)
+    return model.dim * moe.experts + moe.shared_experts * expert / split, routed
+
+
+def expert_data_parallel(layout: Layout) -> tuple[int, int]:
+    """(ranks holding the same experts, their stride): the routed experts' data-parallel group."""
+    if layout.experts_over_tp:
+        return layout.dp, layout.tp
+    return layout.dp // layout.ep, layout.tp * layout.ep
+
+
+def moe_activation_bytes(job: Job, layout: Layout) -> float:
+    """Activations one MoE layer keeps for its backward, per micro-batch, on one device (without the
+    attention's): each routed slot's input and output (h wide) and its expert's two projections and their
+    product (expert width), the shared experts' the same per token; full recomputation keeps none."""
+    if layout.recompute == "full":
+        return 0.0
+    model, moe = job.model, job.model.moe
+    width = expert_width(job, layout)
+    nbytes = job.precision.activation_bytes
+    per_slot = 2 * model.dim + 3 * width
+    per_token = (3 * moe.shared_experts * width + model.dim) if moe.shared_experts else 0
+    return nbytes * (slots_computed(job, layout) * per_slot + tokens_in(job, layout) * per_token)

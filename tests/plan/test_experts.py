@@ -1,0 +1,133 @@
+"""The planner's mixture-of-experts terms: active FLOPs, expert memory by ep, the all-to-all's volume and
+overlap, the layouts it refuses, and MegaScale-MoE's published comparison."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megascale.cli import main
+from megascale.config import load_config
+from megascale.errors import ConfigError
+from megascale.models.flops import flops_per_token, num_params
+from megascale.plan import paper_moe
+from megascale.plan.experts import MoEWork, all_to_all_seconds, exposed_all_to_all_seconds, moe_work
+from megascale.plan.hardware import PROFILES
+from megascale.plan.job import Cluster, Features, Job, Layout, job_from_config, layout_from_config
+from megascale.plan.memory import memory_per_device, stage_param_groups
+from megascale.plan.step import estimate_step
+
+REPO = Path(__file__).resolve().parents[2]
+H800 = PROFILES["h800"]
+MODEL = paper_moe.MODEL_352B
+JOB = Job(MODEL, paper_moe.SEQ_LEN, paper_moe.BATCH)
+H, F, E = 4096, 14336, 32
+
+
+def test_the_352b_model_counts_its_parameters_and_active_flops_by_hand():
+    attention = 2 * H * H + 2 * H * 1024
+    expert = 3 * H * F
+    per_layer = attention + H * E + (E + 1) * expert + 2 * H  # router, 32 routed + 1 shared, two norms
+    assert num_params(MODEL) == 60 * per_layer + 2 * 65536 * H + H
+    active = 60 * (attention + H * E + (3 + 1) * expert) + 65536 * H
+    assert flops_per_token(MODEL, 8192) == 6 * active + 12 * 60 * H * 8192
+
+
+def test_expert_memory_divides_by_the_expert_parallel_group():
+    def experts_per_device(ep: int) -> float:
+        layout = Layout(tp=1, pp=15, dp=16, ep=ep, moe_tp="whole", zero_stage=1)
+        return stage_param_groups(JOB, layout)[1].params
+
+    assert experts_per_device(1) == 4 * E * 3 * H * F  # 4 of the 60 layers per stage
+    assert experts_per_device(8) == experts_per_device(1) / 8
+    groups = stage_param_groups(JOB, Layout(tp=1, pp=15, dp=16, ep=8, moe_tp="whole"))
+    assert (groups[0].ranks, groups[1].ranks) == (16, 2)  # experts are data-parallel over dp / ep
+    spread = memory_per_device(JOB, Layout(tp=1, pp=15, dp=16, ep=8, moe_tp="whole", recompute="full"))
+    whole = memory_per_device(JOB, Layout(tp=1, pp=15, dp=16, ep=1, moe_tp="whole", recompute="full"))
+    assert spread.weights_bytes < whole.weights_bytes / 4
+
+
+def test_an_all_to_all_sends_each_peer_its_share_over_the_link_it_reaches_it_by():
+    sent = 64e6
+    bandwidth = H800.intra_node_bytes_per_s * H800.network_efficiency
+    within = all_to_all_seconds(sent, 8, 1, H800)
+    assert within == pytest.approx(H800.intra_node_latency_s + 7 / 8 * sent / bandwidth)
+    nic = H800.inter_node_bytes_per_s * H800.network_efficiency
+    across = all_to_all_seconds(sent, 16, 1, H800)  # 7 peers on the node, 8 on the other
+    assert across == pytest.approx(H800.inter_node_latency_s + 8 / 16 * sent / nic)
+    assert all_to_all_seconds(sent, 1, 1, H800) == 0
+
+
+def test_the_dispatch_moves_each_slot_of_the_ranks_share_of_the_sequence():
+    layout = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp")
+    work = moe_work(JOB, layout, H800, True, lambda flops: 0.0)
+    slots_bytes = 8192 / 8 * 3 * H * 2  # its 1024 tokens, top-3, bf16
+    one = all_to_all_seconds(slots_bytes, 8, 1, H800)
+    assert work.all_to_all_s == pytest.approx(4 * one)  # dispatch + combine, forward + backward
+    assert work.forward_all_to_all_s == pytest.approx(2 * one)
+
+
+def test_the_overlap_hides_all_but_the_first_chunk_while_the_experts_last():
+    long_experts = MoEWork(
+        gemm_s=10.0, expert_gemm_s=9.0, shuffle_s=0.0, all_to_all_s=1.0, forward_all_to_all_s=0.5
+    )
+    assert exposed_all_to_all_seconds(long_experts, "none") == 1.0
+    assert exposed_all_to_all_seconds(long_experts, "both") == pytest.approx(0.25)
+    assert exposed_all_to_all_seconds(long_experts, "forward") == pytest.approx(0.5 + 0.5 / 4)
+    short_experts = dataclasses.replace(long_experts, expert_gemm_s=0.5)
+    assert exposed_all_to_all_seconds(short_experts, "both") == pytest.approx(0.25 + 0.5)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(ep=3, moe_tp="whole", dp=3), "32 experts do not split over 3 ranks"),
+        (dict(ep=4, moe_tp="ep", attention="sp"), "must equal tp 8"),
+        (dict(ep=4, moe_tp="whole", dp=2), "ep 4 must divide dp 2"),
+    ],
+)
+def test_layouts_that_cannot_hold_the_experts_are_refused_naming_why(changes, message):
+    layout = Layout(**{**dict(tp=8, pp=15, dp=2), **changes})
+    with pytest.raises(ConfigError, match=message):
+        estimate_step(JOB, layout, Features(), H800, Cluster(layout.devices))
+
+
+def test_a_megascale_moe_config_plans_its_own_expert_parallel_layout():
+    overrides = ["--parallel.dp_shard=4", "--parallel.ep=2", "--training.micro_batch_size=4"]
+    cfg = load_config(REPO / "configs" / "moe.toml", overrides)
+    layout = layout_from_config(cfg, 4)
+    assert (layout.ep, layout.moe_tp, layout.dp) == (2, "whole", 4)
+    estimate = estimate_step(job_from_config(cfg), layout, Features(), PROFILES["h100"], Cluster(4))
+    assert estimate.terms_s["ep_exposed"] > 0 and estimate.tokens_per_s > 0
+
+
+def test_megascale_plan_searches_expert_parallel_layouts_and_prints_their_overrides(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    argv = [
+        "plan",
+        "--config",
+        "configs/moe.toml",
+        "--devices",
+        "8",
+        "--hardware",
+        "h100",
+        "--system",
+        "trainer",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert " ep" in out.split("memory limit")[0]
+    assert "--parallel.ep=" in out
+
+
+def test_megascale_moe_beats_megatron_lm_at_every_published_size():
+    for row in paper_moe.table_3():
+        assert row.predicted_speedup > 1.5
+        megatron, megascale = row.predicted
+        assert megascale.memory.total_bytes <= 0.9 * H800.hbm_bytes
+        assert megatron.memory.total_bytes <= 0.9 * H800.hbm_bytes
+
+
+def test_docs_show_the_moe_tables_the_code_produces():
+    docs = (REPO / "docs" / "planning.md").read_text()
+    assert paper_moe.render_markdown() in docs, "regenerate with: python -m megascale.plan.paper_moe"
