@@ -27,14 +27,6 @@ from megascale.plan.comm import link
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Job, Layout
 
-# Passes of each routed slot's hidden vector through HBM: gathered into expert order (read + write) and
-# scattered back weighted (read + write), forward and again backward. MegaScale-MoE fuses the gather and
-# scatter into its communication kernels (§3.2: its own scatter/gather operators): half the passes.
-PERMUTE_PASSES_UNFUSED = 8
-PERMUTE_PASSES_FUSED = 4
-# Passes of each slot's expert hidden vector by the SwiGLU (or GeLU) between the expert GEMMs: forward
-# reads the two projections and writes their product; backward reads three and writes two.
-EXPERT_ACTIVATION_PASSES = 8
 # Chunks an overlapped all-to-all is cut into; the first one's transfer is always exposed.
 EP_OVERLAP_CHUNKS = 4
 
@@ -43,9 +35,9 @@ EP_OVERLAP_CHUNKS = 4
 class MoEWork:
     """One MoE layer (without its attention), one micro-batch, forward + backward, on one device."""
 
-    gemm_s: float  # router, routed experts and shared experts
+    gemm_s: float  # router, routed experts (their grouped GEMMs) and shared experts
     expert_gemm_s: float  # the part of gemm_s an all-to-all can overlap (routed experts)
-    shuffle_s: float  # slots gathered into expert order and back, and the experts' activation function
+    shuffle_s: float  # the layer's other operators: routing, slots sorted, gathered and scattered back
     all_to_all_s: float  # dispatch and combine, forward and backward (and recomputation)
     forward_all_to_all_s: float  # the forward's share of all_to_all_s
 
@@ -120,10 +112,10 @@ def all_to_all_seconds(bytes_per_rank: float, ranks: int, stride: int, profile: 
     return seconds
 
 
-def moe_work(
-    job: Job, layout: Layout, profile: HardwareProfile, fused_kernels: bool, gemm_seconds
-) -> MoEWork:
-    """The MoE layer of one block; `gemm_seconds(flops)` times one GEMM at the efficiency its size earns."""
+def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -> MoEWork:
+    """The MoE layer of one block; `gemm_seconds(flops)` times one GEMM at the efficiency its size earns.
+    The routed experts run as grouped GEMMs, at the profile's fraction of the rate of one expert's GEMM,
+    and the layer's other operators add the profile's share of their time (both measured on an H100)."""
     model, moe = job.model, job.model.moe
     projections = 3 if model.mlp == "swiglu" else 2
     width = expert_width(job, layout)
@@ -132,6 +124,7 @@ def moe_work(
     per_expert = slots / local_experts
     # Forward GEMM, then backward's two of the same size, for each projection of each local expert.
     expert_gemm_s = local_experts * projections * 3 * gemm_seconds(2 * per_expert * model.dim * width)
+    expert_gemm_s /= profile.grouped_gemm_efficiency
     tokens = tokens_in(job, layout)
     router_tokens = tokens / layout.tp if layout.moe_tp == "split" and layout.sequence_parallel else tokens
     router_s = 3 * gemm_seconds(2 * router_tokens * model.dim * moe.experts)
@@ -140,16 +133,13 @@ def moe_work(
         shared_width = moe.shared_experts * width
         shared_s = projections * 3 * gemm_seconds(2 * tokens * model.dim * shared_width)
     nbytes = job.precision.activation_bytes
-    passes = PERMUTE_PASSES_FUSED if fused_kernels else PERMUTE_PASSES_UNFUSED
-    shuffle_bytes = slots * nbytes * (passes * model.dim + EXPERT_ACTIVATION_PASSES * width)
-    shuffle_bytes += tokens * nbytes * EXPERT_ACTIVATION_PASSES * moe.shared_experts * width
     exchanges = 2 if layout.recompute != "full" else 3  # dispatch + combine per pass: fwd, bwd (, again)
     stride = 1 if layout.experts_over_tp else layout.tp
     one_s = all_to_all_seconds(slots * model.dim * nbytes, expert_group(layout), stride, profile)
     return MoEWork(
         gemm_s=expert_gemm_s + router_s + shared_s,
         expert_gemm_s=expert_gemm_s,
-        shuffle_s=shuffle_bytes / profile.hbm_bytes_per_s,
+        shuffle_s=profile.moe_operator_overhead * expert_gemm_s,
         all_to_all_s=2 * exchanges * one_s,
         forward_all_to_all_s=2 * one_s,
     )

@@ -42,6 +42,11 @@ class HardwareProfile:
     gemm_efficiency: float  # fraction of peak a large GEMM reaches
     gemm_half_flops: float  # GEMM size (FLOPs) at which it reaches half of gemm_efficiency
     attention_efficiency: float  # fraction of peak of a fused (FlashAttention-2) attention kernel
+    # An MoE layer's experts as one grouped GEMM per projection: the fraction of the rate of a GEMM of one
+    # expert's shape that it reaches, and what the layer's other operators (router, sort, gather, scatter)
+    # add to its time, as a fraction of the grouped GEMMs' (megascale/plan/experts.py).
+    grouped_gemm_efficiency: float
+    moe_operator_overhead: float
     network_efficiency: float  # fraction of the link bandwidth a collective achieves (bus bandwidth)
     layer_overhead_s: (
         float  # host time per block per micro-batch the device cannot hide (0: launches run ahead)
@@ -83,6 +88,9 @@ def _peaks(device: str) -> dict[str, float]:
 # - A large bf16 GEMM reaches 70-80% of the tensor-core peak in practice; GEMMs under ~1 GFLOP fall off.
 # - FlashAttention-2 reaches 50-73% of peak forward+backward on A100 (Dao 2023, arXiv 2307.08691, Fig. 6).
 # - NCCL ring collectives reach about 80% of the link rate as bus bandwidth (nccl-tests' busbw definition).
+# - An MoE layer's grouped GEMMs ran at 0.74-0.75 of the rate of a GEMM of one expert's shape, and its other
+#   operators added 0.22-0.28 of the grouped GEMMs' time, at the two shapes of plan/paper_moe.py on one
+#   H100 in bf16 (bench/gemm_efficiency.py, bench/results/h100/gemm_efficiency.json; docs/gpu.md).
 # - NCCL small-message latency: a few microseconds over NVLink, about 10 us across RDMA.
 # - Per-step work over every weight a device holds (zeroing gradient buffers, norms, inf checks, weight
 #   copies): 1.8e-10 s per parameter, 0.5 s for the 175B layout's 2.7B per GPU, fitted once on Table 2's
@@ -91,6 +99,8 @@ _GPU_CONSTANTS: dict[str, Any] = dict(
     gemm_efficiency=0.72,
     gemm_half_flops=2e9,
     attention_efficiency=0.55,
+    grouped_gemm_efficiency=0.75,
+    moe_operator_overhead=0.25,
     network_efficiency=0.80,
     layer_overhead_s=0.0,
     model_overhead_s=0.0,

@@ -83,7 +83,7 @@ def estimate_step(
     dense = block_time(job, layout, profile, features.fused_kernels)
     kinds: list[tuple[float, BlockTime, MoEWork | None]] = [(blocks - moe_blocks, dense, None)]
     if moe_blocks:
-        moe = moe_work(job, layout, profile, features.fused_kernels, _gemm(job, profile))
+        moe = moe_work(job, layout, profile, _gemm(job, profile))
         kinds.append((moe_blocks, block_time(job, layout, profile, features.fused_kernels, moe), moe))
 
     def per_micro_batch(seconds: Callable[[BlockTime, MoEWork | None], float]) -> float:

@@ -60,7 +60,7 @@ def test_an_all_to_all_sends_each_peer_its_share_over_the_link_it_reaches_it_by(
 
 def test_the_dispatch_moves_each_slot_of_the_ranks_share_of_the_sequence():
     layout = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp")
-    work = moe_work(JOB, layout, H800, True, lambda flops: 0.0)
+    work = moe_work(JOB, layout, H800, lambda flops: 0.0)
     slots_bytes = 8192 / 8 * 3 * H * 2  # its 1024 tokens, top-3, bf16
     one = all_to_all_seconds(slots_bytes, 8, 1, H800)
     assert work.all_to_all_s == pytest.approx(4 * one)  # dispatch + combine, forward + backward
