@@ -1,6 +1,7 @@
 """`megascale train --nproc N`: real worker processes through torchrun's machinery, and its failures."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,7 +67,8 @@ def test_a_worker_error_is_reported_once_with_its_exit_status(tiny_corpus, tmp_p
     result = megascale("train", "--nproc", "2", *args, cwd=tmp_path)
     assert result.returncode == 2
     assert "does not exist" in result.stderr
-    assert "error: rank 0 of 2 exited with status 2" in result.stderr
+    # Both ranks fail alike; whichever the launcher saw exit first is the one reported, once.
+    assert len(re.findall(r"error: rank [01] of 2 exited with status 2", result.stderr)) == 1
 
 
 def _rank_of(pid: int) -> int | None:
