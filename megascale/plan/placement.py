@@ -26,14 +26,14 @@ class Placement:
 
     rank_order: str
     coordinates: list[dict[str, int]]  # indexed by global rank: {"pp", "dp", "tp", "node", "pod"}
-    nodes_spanned: dict[str, int]  # the most nodes any group of each kind ("tp", "dp", "pp") touches
+    nodes_spanned: dict[str, int]  # the most nodes any group of each kind ("tp", "dp", "pp", "ep") touches
     pods_spanned: dict[str, int]
 
     def describe(self) -> str:
         parts = [
             f"{kind.upper()} groups span {self.nodes_spanned[kind]} node(s) "
             f"in {self.pods_spanned[kind]} pod(s)"
-            for kind in ("tp", "dp", "pp")
+            for kind in self.nodes_spanned
         ]
         return f"rank order {self.rank_order} (--parallel.rank_order={self.rank_order}): " + "; ".join(parts)
 
@@ -55,15 +55,23 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
     per_pod = profile.devices_per_node * profile.nodes_per_pod
     for rank, where in enumerate(coordinates):
         where["node"], where["pod"] = rank // profile.devices_per_node, rank // per_pod
+    kinds = ["tp", "dp", "pp"] + (["ep"] if layout.ep > 1 and not layout.experts_over_tp else [])
     nodes, pods = {}, {}
-    for kind in ("tp", "dp", "pp"):
-        others = [name for name in ("pp", "dp", "tp") if name != kind]
+    for kind in kinds:
         groups: dict[tuple[int, ...], list[dict[str, int]]] = {}
         for where in coordinates:
-            groups.setdefault(tuple(where[name] for name in others), []).append(where)
+            groups.setdefault(_group_key(where, kind, layout.ep), []).append(where)
         nodes[kind] = max(len({where["node"] for where in group}) for group in groups.values())
         pods[kind] = max(len({where["pod"] for where in group}) for group in groups.values())
     return Placement(rank_order, coordinates, nodes, pods)
+
+
+def _group_key(where: dict[str, int], kind: str, ep: int) -> tuple[int, ...]:
+    """What the ranks of one group of `kind` share: their other coordinates. An expert-parallel group is
+    ep consecutive data-parallel indices (ep innermost within dp, as ParallelDims splits them)."""
+    if kind == "ep":
+        return where["pp"], where["tp"], where["dp"] // ep
+    return tuple(where[name] for name in ("pp", "dp", "tp") if name != kind)
 
 
 def choose_rank_order(layout: Layout, profile: HardwareProfile) -> Placement:

@@ -40,3 +40,12 @@ def test_the_paper_layout_at_12288_gpus_builds_dp_groups_before_pp():
     other = place(Layout(dp=192, **LAYOUT_175B), A100, "tp-pp-dp")
     assert placement.pods_spanned["dp"] < other.pods_spanned["dp"]
     assert "--parallel.rank_order=tp-dp-pp" in placement.describe()
+
+
+def test_expert_parallel_groups_are_consecutive_data_parallel_ranks():
+    """ParallelDims splits dp_shard as (edp, ep), ep innermost: with tp 2, ep 4 of dp 8 reaches 8
+    consecutive ranks, one node; with ep 8, two nodes."""
+    four, eight = (place(Layout(tp=2, dp=8, ep=ep, moe_tp="whole"), A100, "tp-dp-pp") for ep in (4, 8))
+    assert four.nodes_spanned["ep"] == 1 and eight.nodes_spanned["ep"] == 2
+    assert "EP groups span 1 node(s)" in four.describe()
+    assert "ep" not in place(Layout(tp=2, dp=8), A100, "tp-dp-pp").nodes_spanned
