@@ -37,6 +37,7 @@ from megascale.errors import ConfigError, MegascaleError, NonFiniteError
 from megascale.gc_control import AlignedGC
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
+from megascale.observe.experts import expert_slots_by_rank
 from megascale.observe.instruments import Instruments, StepMetrics, format_record
 from megascale.observe.metrics import MetricsWriter
 from megascale.observe.progress import TrainingProgress, log_to_files, make_console, setup_logging
@@ -212,6 +213,7 @@ class Trainer(Stateful):
             rank=self.rank,
             coordinates=dims.coordinates(),
             stage_of_rank=dims.stage_of_ranks(),
+            ep_of_rank=dims.ep_of_ranks() if dims.ep > 1 else [],
             device=self.device,
             start_step=self.step,
             world_size=dims.world_size,
@@ -222,6 +224,9 @@ class Trainer(Stateful):
         self._closed = False
         self.model.time_phases(self.instruments.phase)
         self._rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
+        self._rank_expert_slots: list[float] = []  # every rank's expert load in it (expert parallelism)
+        # The global ranks of this rank's expert-parallel group, in ep order: where its tokens' slots go.
+        self._ep_group = dims.expert_mesh()["ep"].mesh.tolist() if dims.ep > 1 else []
 
     @property
     def timeline(self) -> Timeline:
@@ -385,10 +390,16 @@ class Trainer(Stateful):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            expert_slots = None
+            if self._ep_group:  # counted before finish_step sums the loads and clears them
+                layers, world = self.model.moe_layers, self.parallel_dims.world_size
+                expert_slots = expert_slots_by_rank(layers, self._ep_group, world, self.device)
             router = self.model.finish_step()  # MoE: routing biases from the step's loads, and its health
-        # One sync per step; it also carries every rank's compute time to every rank (stragglers).
+        # One sync per step; it also carries every rank's compute time and expert load to every rank.
         compute_s = self.timeline.compute_busy_s() if self.timeline.enabled else None
-        loss_value = self._job_mean(local_loss, agree_on_stop=True, compute_s=compute_s).item()
+        loss_value = self._job_mean(
+            local_loss, agree_on_stop=True, compute_s=compute_s, expert_slots=expert_slots
+        ).item()
         step_time_s = time.perf_counter() - started
         self.timeline.add("step", "step", started_ns, time.perf_counter_ns(), {"step": self.step + 1})
         return StepMetrics(
@@ -402,6 +413,7 @@ class Trainer(Stateful):
             else {},
             rank_compute_s=self._rank_compute_s,
             router=router,
+            rank_expert_slots=self._rank_expert_slots,
         )
 
     def _on_nonfinite(self, grad_norm: torch.Tensor) -> None:
@@ -427,7 +439,11 @@ class Trainer(Stateful):
         return lambda logits, labels: next_token_loss(logits, labels) * scale
 
     def _job_mean(
-        self, local: torch.Tensor, agree_on_stop: bool = False, compute_s: float | None = None
+        self,
+        local: torch.Tensor,
+        agree_on_stop: bool = False,
+        compute_s: float | None = None,
+        expert_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The job-wide mean of a per-data-parallel-rank value held on the last stage (and the same on
         every tensor-parallel rank): one all-reduce over all ranks, every rank getting the result.
@@ -435,7 +451,9 @@ class Trainer(Stateful):
         With `agree_on_stop`, whether any rank has been asked to stop travels in the same all-reduce and
         sets `_stop_agreed` alike on every rank: a signal that lands on one rank just after the all-reduce
         is acted on a step later by all of them, never by that rank alone. `compute_s`, this rank's compute
-        time, travels in it too, in this rank's own slot: `_rank_compute_s` gets every rank's."""
+        time, travels in it too, in this rank's own slot: `_rank_compute_s` gets every rank's. So does
+        `expert_slots`, this rank's part of every rank's expert load (observe/experts.py), summed into
+        `_rank_expert_slots`."""
         asked = self._stop_signal is not None
         if self.parallel_dims.world_size == 1:
             if agree_on_stop:
@@ -450,13 +468,16 @@ class Trainer(Stateful):
         slots = torch.zeros(self.parallel_dims.world_size if compute_s is not None else 0, device=self.device)
         if compute_s is not None:
             slots[self.rank] = compute_s
+        experts = expert_slots if expert_slots is not None else torch.zeros(0, device=self.device)
         flags = torch.stack([share, torch.tensor(float(agree_on_stop and asked), device=self.device)])
-        packed = torch.cat([flags, slots])
+        packed = torch.cat([flags, slots, experts])
         dist.all_reduce(packed)
         if agree_on_stop:
             self._stop_agreed = packed[1].item() > 0
         if compute_s is not None:
-            self._rank_compute_s = packed[2:].tolist()
+            self._rank_compute_s = packed[2 : 2 + len(slots)].tolist()
+        if expert_slots is not None:
+            self._rank_expert_slots = packed[2 + len(slots) :].tolist()
         return packed[0]
 
     @torch.no_grad()

@@ -2,9 +2,10 @@
 
 The Trainer runs the step; this module watches it: the per-rank timeline and the recording of every
 collective into it, the hang watch, the straggler detector, and the step's record for the metrics file and
-the log line (tokens/s, MFU against a known or measured peak, the step-time breakdown). Kept apart from
-the Trainer so that the training loop reads as training, and every observability switch
-(`metrics.timeline`, `metrics.hang_dump_s`, `metrics.straggler_*`) is honoured in one place.
+the log line (tokens/s, MFU against a known or measured peak, the step-time breakdown, and with expert
+parallelism the expert load of each expert-parallel rank, experts.py). Kept apart from the Trainer so that
+the training loop reads as training, and every observability switch (`metrics.timeline`,
+`metrics.hang_dump_s`, `metrics.straggler_*`) is honoured in one place.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch.distributed as dist
 
 from megascale.config import JobConfig
 from megascale.observe.collectives import record_collectives
+from megascale.observe.experts import ep_rank_experts, ep_rank_load_over_mean, routed_expert_share
 from megascale.observe.hang import HangWatch
 from megascale.observe.peak import Peak, calibrate, forget_calibration, peak_for
-from megascale.observe.stragglers import StragglerDetector
+from megascale.observe.stragglers import StragglerDetector, describe
 from megascale.observe.timeline import Timeline, session_dir
 
 log = logging.getLogger("megascale.trainer")
@@ -40,6 +42,8 @@ class StepMetrics:
     breakdown: dict[str, float]  # compute / exposed communication / bubble / other, from the timeline
     rank_compute_s: list[float] = field(default_factory=list)  # every rank's, from the step's all-reduce
     router: dict[str, float] = field(default_factory=dict)  # MoE routing health (parallel/step.py)
+    # Expert parallelism: the slots every rank's experts computed (observe/experts.py), from the all-reduce.
+    rank_expert_slots: list[float] = field(default_factory=list)
 
 
 class Instruments:
@@ -47,7 +51,8 @@ class Instruments:
     the step it starts from (trace sessions are named by it); `close()` when the loop ends.
 
     `stretch(compute_s, clock)` is called after each phase of compute, with the phase's seconds on the
-    timeline's compute clock (fault injection's slow rank)."""
+    timeline's compute clock (fault injection's slow rank). `ep_of_rank`: every rank's expert-parallel
+    rank, with expert parallelism (else empty)."""
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class Instruments:
         rank: int,
         coordinates: dict[str, int],
         stage_of_rank: list[int],
+        ep_of_rank: list[int],
         device: torch.device,
         start_step: int,
         world_size: int,
@@ -75,8 +81,12 @@ class Instruments:
         if traces is not None and cfg.metrics.hang_dump_s > 0:
             self.hang_watch = HangWatch(self.timeline, traces, cfg.metrics.hang_dump_s, world_size)
             self.hang_watch.start()
+        self.ep_of_rank = ep_of_rank
         self.stragglers = StragglerDetector(
-            stage_of_rank, cfg.metrics.straggler_window, cfg.metrics.straggler_ratio
+            stage_of_rank,
+            cfg.metrics.straggler_window,
+            cfg.metrics.straggler_ratio,
+            expert_share=routed_expert_share(cfg.model, cfg.data.seq_len) if ep_of_rank else 0.0,
         )
         self.peak = find_peak(cfg, device) if rank == 0 else None
 
@@ -102,19 +112,18 @@ class Instruments:
             **metrics.breakdown,
             **metrics.router,
         }
-        if metrics.rank_compute_s and self.rank == 0:  # rank 0 speaks for the job
+        if self.rank == 0 and self.ep_of_rank and metrics.rank_expert_slots:  # rank 0 speaks for the job
+            record["ep_rank_load_over_mean"] = [
+                round(load, 4) for load in ep_rank_load_over_mean(metrics.rank_expert_slots, self.ep_of_rank)
+            ]
+            record["ep_rank_experts"] = ep_rank_experts(self.cfg.model.moe.experts, self.cfg.parallel.ep)
+            record["ep_rank_of_rank"] = self.ep_of_rank
+            record["rank_expert_slots"] = [round(slots) for slots in metrics.rank_expert_slots]
+        if metrics.rank_compute_s and self.rank == 0:
             record["rank_compute_s"] = [round(seconds, 6) for seconds in metrics.rank_compute_s]
-            for finding in self.stragglers.observe(metrics.rank_compute_s):
-                log.warning(
-                    "straggler: rank %d computes %.2fx the median of its peers (%.4f s against %.4f s per "
-                    "step over the %d steps to step %d)",
-                    finding["rank"],
-                    finding["ratio"],
-                    finding["compute_s"],
-                    finding["peers_s"],
-                    self.cfg.metrics.straggler_window,
-                    step,
-                )
+            window = self.cfg.metrics.straggler_window
+            for finding in self.stragglers.observe(metrics.rank_compute_s, metrics.rank_expert_slots):
+                log.warning("%s", describe(finding, window, step))
             if self.stragglers.stragglers():
                 record["stragglers"] = self.stragglers.stragglers()
         if self.peak is not None:

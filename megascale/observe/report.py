@@ -1,12 +1,13 @@
 """`megascale report`: one static HTML page per run, from what the run directory already holds.
 
 A run's record is spread over metrics.jsonl, events.jsonl, train.log and the traces; the page puts the
-curves, the step-time breakdown, the per-rank heat map of paper §5.1, the stragglers and the driver's faults
-and restarts side by side, so that one look says how the run went and where its time went. The charts are
-SVG drawn here rather than by a charting library: the page must be one file that opens offline from
-file:// (no CDN, no script, no font to fetch) and can be attached to a ticket; hovering a bar, a heat-map
-cell or a validation point shows its numbers through SVG <title>s. Long runs are averaged into at most
-MAX_COLUMNS columns, so the page stays small.
+curves, the step-time breakdown, the per-rank heat map of paper §5.1 (with expert parallelism, the expert
+load of each ep rank beside it), the stragglers and the driver's faults and restarts side by side, so that
+one look says how the run went and where its time went. The charts are SVG drawn here rather than by a
+charting library: the page must be one file that opens offline from file:// (no CDN, no script, no font
+to fetch) and can be attached to a ticket; hovering a bar, a heat-map cell or a validation point shows its
+numbers through SVG <title>s. Long runs are averaged into at most MAX_COLUMNS columns, so the page stays
+small.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ Records = list[dict[str, Any]]
 Series = tuple[str, str, list[tuple[float, float]]]  # label, colour, (step, value) points
 
 MAX_COLUMNS = 300
-WIDE_SECTIONS = {"chart-breakdown", "heatmap-ranks", "table-events"}  # the page's full width
+WIDE_SECTIONS = {"chart-breakdown", "heatmap-ranks", "heatmap-ep", "table-events"}  # the page's full width
 WIDE, NARROW = 1280, 640  # SVG user units; the page scales them to the column's width
 KINDS = [  # the step's time by kind (timeline.py), bottom to top of the stacked bars
     ("compute_s", "compute", "#4878b8"),
@@ -46,6 +47,7 @@ EVENT_CLASSES = {"fault": "bad", "give_up": "bad", "evict": "bad", "nonfinite": 
 EVENT_CLASSES |= {"restart": "good", "recovered": "good", "done": "good"}
 EVENT_CLASSES |= {"straggler": "warn", "slow_steps": "warn", "loss_spike": "warn", "abandoned": "warn"}
 STRAGGLER_LINE = re.compile(r"straggler: rank (\d+) computes ([\d.]+)x")  # the trainer's warning
+ROUTING_LINE = re.compile(r"routing imbalance: rank (\d+) computes ([\d.]+)x")  # excess its experts explain
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;max-width:1340px;padding:12px 24px;color:#222}
 h1{font-size:20px;margin:4px 0}h2{font-size:15px;margin:0 0 6px}header p{margin:2px 0;color:#444}
@@ -88,6 +90,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
             "Compute time per rank, relative to the step's median",
             _heatmap(records, stragglers),
         ),
+        **_expert_parallel(records, stragglers, _routing_imbalances(run_dir)),
         "table-stragglers": ("Stragglers", _straggler_table(stragglers)),
         "link-trace": ("Trace", _trace_link(run_dir, out)),
         "table-events": ("Events (resilience driver)", _event_table(events)),
@@ -354,25 +357,41 @@ def _heatmap(records: Records, stragglers: dict[int, dict[str, Any]]) -> str:
     for group in groups:
         steps = [_relative(_floats(r["rank_compute_s"]) + [math.nan] * ranks) for r in group]
         ratios.append([statistics.fmean(step[rank] for step in steps) for rank in range(ranks)])
-    left, top, row = 60, 8, max(2, min(22, 360 // ranks))  # columns under the breakdown's bars
-    cell, height = (WIDE - left - 12) / len(groups), top + ranks * row + 64
+    return _grid(
+        groups,
+        ratios,
+        [f"rank {rank}" for rank in range(ranks)],
+        set(stragglers),
+        "the median",
+        "compute / median of all ranks that step:",
+    )
+
+
+def _grid(
+    groups: list[Records], ratios: list[list[float]], rows: list[str], marked: set[int], of: str, scale: str
+) -> str:
+    """A heat map of ratios ([column][row], 1.0 white), a column per group of steps (under the breakdown's
+    bars); `marked` rows' labels in red, each cell's title '<row>, <steps>: <ratio>x <of>', and a colour
+    scale headed `scale`."""
+    left, top, row = 60, 8, max(2, min(22, 360 // len(rows)))
+    cell, height = (WIDE - left - 12) / len(groups), top + len(rows) * row + 64
     parts = [f'<svg viewBox="0 0 {WIDE} {height}" role="img">']
-    for rank in range(ranks):
-        if rank % math.ceil(12 / row) == 0 or rank in stragglers:
-            style = ' style="fill:#c62828;font-weight:bold"' if rank in stragglers else ""
-            y = top + rank * row + row / 2 + 4
-            parts.append(f'<text x="{left - 6}" y="{y:.1f}" text-anchor="end"{style}>rank {rank}</text>')
+    for index, label in enumerate(rows):
+        if index % math.ceil(12 / row) == 0 or index in marked:
+            style = ' style="fill:#c62828;font-weight:bold"' if index in marked else ""
+            y = top + index * row + row / 2 + 4
+            parts.append(f'<text x="{left - 6}" y="{y:.1f}" text-anchor="end"{style}>{_esc(label)}</text>')
     for index, (group, column) in enumerate(zip(groups, ratios)):
         parts += [
-            f'<rect x="{left + index * cell:.1f}" y="{top + rank * row}" width="{cell + 0.4:.2f}" '
-            f'height="{row}" fill="{_colour(ratio)}"><title>rank {rank}, {_steps(group)}: {ratio:.2f}x '
-            "the median</title></rect>"
-            for rank, ratio in enumerate(column)
+            f'<rect x="{left + index * cell:.1f}" y="{top + r * row}" width="{cell + 0.4:.2f}" '
+            f'height="{row}" fill="{_colour(ratio)}"><title>{_esc(rows[r])}, {_steps(group)}: {ratio:.2f}x '
+            f"{_esc(of)}</title></rect>"
+            for r, ratio in enumerate(column)
             if math.isfinite(ratio)
         ]
-    y = top + ranks * row + 16
+    y = top + len(rows) * row + 16
     parts += _column_ticks(groups, lambda i: left + (i + 0.5) * cell, y)
-    parts.append(f'<text x="{left}" y="{y + 26}">compute / median of all ranks that step:</text>')
+    parts.append(f'<text x="{left}" y="{y + 26}">{_esc(scale)}</text>')
     for i, stop in enumerate([0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0]):
         x = left + 250 + i * 56
         parts.append(
@@ -380,6 +399,94 @@ def _heatmap(records: Records, stragglers: dict[int, dict[str, Any]]) -> str:
         )
         parts.append(f'<text x="{x + 25}" y="{y + 44}" text-anchor="middle">{stop:g}x</text>')
     return "".join(parts) + "</svg>"
+
+
+def _expert_parallel(
+    records: Records, stragglers: dict[int, dict[str, Any]], routing: dict[int, float]
+) -> dict[str, tuple[str, str]]:
+    """An expert-parallel run: each ep rank's routed slots over the mean of the ep ranks' over the steps, and
+    a table of its experts, its load at the end and at its worst, its ranks' compute against the step's
+    median and what train.log said of them; a run without expert parallelism has no such section."""
+    loaded = [r for r in records if r.get("ep_rank_load_over_mean")]
+    if not loaded:
+        return {}
+    last, groups = loaded[-1], _columns(loaded)
+    ep = len(last["ep_rank_load_over_mean"])
+    experts = [f"{first}-{end}" if end > first else f"{first}" for first, end in last["ep_rank_experts"]]
+    ratios = [
+        [
+            statistics.fmean(_floats(r["ep_rank_load_over_mean"])[ep_rank] for r in group)
+            for ep_rank in range(ep)
+        ]
+        for group in groups
+    ]
+    ep_of_rank = last["ep_rank_of_rank"]
+    named = {ep_of_rank[rank] for rank in stragglers if rank < len(ep_of_rank)}
+    heatmap = _grid(
+        groups,
+        ratios,
+        [f"ep {ep_rank}" for ep_rank in range(ep)],
+        named,
+        "the mean load",
+        "routed slots / mean of the ep ranks:",
+    )
+    timed = [_relative(_floats(r["rank_compute_s"])) for r in records if r.get("rank_compute_s")]
+    rows, classes = [], []
+    for ep_rank in range(ep):
+        loads = [(_floats(r["ep_rank_load_over_mean"])[ep_rank], r["step"]) for r in loaded]
+        worst, worst_step = max(loads)
+        ranks = [rank for rank, of in enumerate(ep_of_rank) if of == ep_rank]
+        compute = [
+            (rank, statistics.fmean(step[rank] for step in timed if len(step) > rank))
+            for rank in ranks
+            if any(len(step) > rank for step in timed)
+        ]
+        said = [f"rank {rank}: straggler" for rank in ranks if rank in stragglers]
+        said += [f"rank {rank}: {routing[rank]:.2f}x, routing imbalance" for rank in ranks if rank in routing]
+        rows.append(
+            [
+                f"ep {ep_rank}",
+                experts[ep_rank],
+                _rank_list(ranks),
+                f"{loads[-1][0]:.2f}x",
+                f"{worst:.2f}x (step {worst_step})",
+                _compute_of(compute),
+                "; ".join(said),
+            ]
+        )
+        classes.append("bad" if set(ranks) & set(stragglers) else "warn" if set(ranks) & set(routing) else "")
+    head = ["ep rank", "experts", "ranks", "load, last step", "load, max", "its ranks' compute", "train.log"]
+    table = _table(head, rows, classes)
+    note = (
+        "<p>Load: the token slots routed to its experts in every MoE layer, over all its ranks, divided by "
+        "the mean of the ep ranks (1.00x is even). Compute: each of its ranks' over the median of all ranks, "
+        "averaged over the logged steps. A straggler computes more than its load explains (the machine); a "
+        "routing imbalance is excess compute its load explains (not named a straggler; balancing mends "
+        "it, another node would not).</p>"
+    )
+    return {"heatmap-ep": ("Expert load per expert-parallel rank", heatmap + table + note)}
+
+
+def _rank_list(ranks: list[int]) -> str:
+    shown = ", ".join(str(rank) for rank in ranks[:8])
+    return shown if len(ranks) <= 8 else f"{shown}, … ({len(ranks)} ranks)"
+
+
+def _compute_of(compute: list[tuple[int, float]]) -> str:
+    """Each rank's mean compute ratio, or, for many ranks, their mean and range."""
+    if not compute:
+        return "?"
+    if len(compute) <= 4:
+        return ", ".join(f"rank {rank} {ratio:.2f}x" for rank, ratio in compute)
+    ratios = [ratio for _, ratio in compute]
+    return f"mean {statistics.fmean(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def _routing_imbalances(run_dir: Path) -> dict[int, float]:
+    """{rank: compute ratio} of the ranks train.log reported as a routing imbalance (not named)."""
+    log = run_dir / "train.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return {int(match[1]): float(match[2]) for match in ROUTING_LINE.finditer(text)}
 
 
 def _stragglers(run_dir: Path, records: Records, events: Records) -> dict[int, dict[str, Any]]:

@@ -381,14 +381,23 @@ class ParallelDims:
 
     def stage_of_ranks(self) -> list[int]:
         """The pipeline stage of every global rank, indexed by rank."""
+        return self._index_of_ranks("pp")
+
+    def ep_of_ranks(self) -> list[int]:
+        """The expert-parallel rank of every global rank, indexed by rank: its dp_shard index modulo ep
+        (the dp_shard ranks are laid out as (edp, ep), ep innermost)."""
+        return [index % self.ep for index in self._index_of_ranks("dp_shard")]
+
+    def _index_of_ranks(self, name: str) -> list[int]:
+        """Every global rank's index along the mesh dimension `name`, indexed by rank."""
         mesh = self.mesh
         if mesh is None:
             return [0]
-        stages = [0] * mesh.mesh.numel()
-        pp_dim = list(mesh.mesh_dim_names or ()).index("pp")
+        indices = [0] * mesh.mesh.numel()
+        dim = list(mesh.mesh_dim_names or ()).index(name)
         for index, rank in zip(itertools.product(*map(range, mesh.mesh.shape)), mesh.mesh.flatten().tolist()):
-            stages[rank] = index[pp_dim]
-        return stages
+            indices[rank] = index[dim]
+        return indices
 
     def dp_rank(self) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""

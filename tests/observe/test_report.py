@@ -176,6 +176,40 @@ def test_a_run_with_moe_layers_has_its_routing_charted_and_a_dense_one_has_no_ro
     assert 'id="chart-routing"' not in write_report(fake_run(tmp_path / "dense")).read_text()
 
 
+def test_an_expert_parallel_run_has_its_load_per_ep_rank_beside_the_heat_map(tmp_path):
+    # ep 2 over the 4 ranks: ranks 0 and 2 hold experts 0-1, whose load grows; rank 3 (experts 2-3) is
+    # the fake run's straggler; rank 0's excess compute was put down to its routing in train.log.
+    run_dir = fake_run(tmp_path / "ep")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        busy = 1.0 + 0.01 * record["step"]
+        record.update(ep_rank_load_over_mean=[busy, 2 - busy], ep_rank_experts=[[0, 1], [2, 3]])
+        record.update(ep_rank_of_rank=[0, 1, 0, 1], rank_expert_slots=[256 * busy, 0, 0, 256 * (2 - busy)])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with (run_dir / "train.log").open("a") as log:
+        log.write(
+            "2026-01-01 00:00:20,000 WARNING megascale.trainer: routing imbalance: rank 0 computes 1.35x "
+            "the median of its peers (0.1350 s against 0.1000 s per step over the 10 steps to step 20); "
+            "its experts took 1.30x the mean load, which accounts for 1.40x (routing imbalance, not the "
+            "machine): not named a straggler\n"
+        )
+    page = write_report(run_dir).read_text()
+    assert (
+        page.index('id="heatmap-ranks"') < page.index('id="heatmap-ep"') < page.index('id="table-stragglers"')
+    )
+    view = section(page, "heatmap-ep")
+    assert "ep 0, step 20: 1.20x the mean load" in view and "ep 1, step 30: 0.70x the mean load" in view
+    assert view.count("<rect") >= 2 * 30  # a cell per ep rank and step, and the colour scale
+    assert re.search(r"<td>ep 0</td><td>0-1</td><td>0, 2</td><td>1.30x</td><td>1.30x \(step 30\)</td>", view)
+    # Each rank's compute over the step's median, averaged over the steps (rank 3's from step 5 only 1.43x).
+    assert "<td>rank 0 0.96x, rank 2 0.86x</td>" in view
+    assert "<td>rank 1 1.05x, rank 3 1.37x</td><td>rank 3: straggler</td>" in view
+    assert '<tr class="warn"><td>ep 0</td>' in view and "rank 0: 1.35x, routing imbalance" in view
+    assert '<tr class="bad"><td>ep 1</td>' in view
+    assert "rank 0" not in section(page, "table-stragglers")  # a routing imbalance names no straggler
+    assert 'id="heatmap-ep"' not in write_report(fake_run(tmp_path / "dense")).read_text()
+
+
 def test_a_directory_without_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(MegascaleError, match=re.escape(str(tmp_path / "metrics.jsonl"))):
         write_report(tmp_path)
