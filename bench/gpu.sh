@@ -61,7 +61,7 @@ part throughput 200 python3 bench/throughput.py --device cuda --compile --hf-fus
 
 # 5. The MoE layer's grouped GEMM on the GPU.
 part moe 60 python3 bench/moe.py --device cuda --dtype bfloat16 --repeats 20 --out "$out/moe.json"
-part gemm-efficiency 60 python3 bench/gemm_efficiency.py --device cuda --repeats 10 --out "$out/gemm_efficiency.json"
+part kernel-efficiency 60 python3 bench/kernel_efficiency.py --device cuda --repeats 10 --out "$out/kernel_efficiency.json"
 
 # 4. The timeline's cost with device events.
 part timeline 80 python3 bench/observe_overhead.py --device cuda --ranks 1 --parts timeline \

@@ -139,6 +139,8 @@ def _attention_forward_seconds(job: Job, layout: Layout, profile: HardwareProfil
     keys = keys_per_query(job.seq_len, model.attention.window)
     flops = 4 * layout.micro_batch * job.seq_len * keys * heads * head_dim
     efficiency = profile.attention_efficiency * (1.0 if fused else FLASH_ATTENTION_1_SPEED)
+    if profile.attention_half_flops:  # small kernels (few heads per rank) fill fewer of the device's units
+        efficiency *= 3 * flops / (3 * flops + profile.attention_half_flops)
     return flops / (profile.peak_flops(job.dtype) * efficiency)
 
 

@@ -42,6 +42,7 @@ class HardwareProfile:
     gemm_efficiency: float  # fraction of peak a large GEMM reaches
     gemm_half_flops: float  # GEMM size (FLOPs) at which it reaches half of gemm_efficiency
     attention_efficiency: float  # fraction of peak of a fused (FlashAttention-2) attention kernel
+    attention_half_flops: float  # its work (FLOPs, forward + backward) at half that fraction; 0: any size
     # An MoE layer's experts as one grouped GEMM per projection: the fraction of the rate of a GEMM of one
     # expert's shape that it reaches, and what the layer's other operators (router, sort, gather, scatter)
     # add to its time, as a fraction of the grouped GEMMs' (megascale/plan/experts.py).
@@ -88,9 +89,12 @@ def _peaks(device: str) -> dict[str, float]:
 # - A large bf16 GEMM reaches 70-80% of the tensor-core peak in practice; GEMMs under ~1 GFLOP fall off.
 # - FlashAttention-2 reaches 50-73% of peak forward+backward on A100 (Dao 2023, arXiv 2307.08691, Fig. 6).
 # - NCCL ring collectives reach about 80% of the link rate as bus bandwidth (nccl-tests' busbw definition).
-# - An MoE layer's grouped GEMMs ran at 0.74-0.75 of the rate of a GEMM of one expert's shape, and its other
-#   operators added 0.22-0.28 of the grouped GEMMs' time, at the two shapes of plan/paper_moe.py on one
-#   H100 in bf16 (bench/gemm_efficiency.py, bench/results/h100/gemm_efficiency.json; docs/gpu.md).
+# - Causal attention (torch's SDPA, FlashAttention-2) forward + backward at sequence 8192, head size 128 on
+#   one H100 in bf16: 0.24 of peak with 4 heads (one of 8 ranks' share of 32) and 0.40 with 32, which the
+#   attention curve e(f) = 0.45 f / (f + 1.7e11) passes through (Hopper profiles; bench/kernel_efficiency.py).
+# - An MoE layer's grouped GEMMs ran at 0.74-0.76 of the rate of a GEMM of one expert's shape, and its other
+#   operators added 0.22-0.29 of the grouped GEMMs' time, at the two shapes of plan/paper_moe.py on one
+#   H100 in bf16 (bench/kernel_efficiency.py, bench/results/h100/kernel_efficiency.json; docs/gpu.md).
 # - NCCL small-message latency: a few microseconds over NVLink, about 10 us across RDMA.
 # - Per-step work over every weight a device holds (zeroing gradient buffers, norms, inf checks, weight
 #   copies): 1.8e-10 s per parameter, 0.5 s for the 175B layout's 2.7B per GPU, fitted once on Table 2's
@@ -99,6 +103,7 @@ _GPU_CONSTANTS: dict[str, Any] = dict(
     gemm_efficiency=0.72,
     gemm_half_flops=2e9,
     attention_efficiency=0.55,
+    attention_half_flops=0.0,
     grouped_gemm_efficiency=0.75,
     moe_operator_overhead=0.25,
     network_efficiency=0.80,
@@ -123,6 +128,13 @@ _GPU_CONSTANTS: dict[str, Any] = dict(
     devices_per_node=8,
     nodes_per_pod=64,  # 64 servers share one set of ToR switches (paper §3.6)
 )
+
+# Measured on one H100 (above): what the Hopper profiles (H100, H800, H200) use in place of the A100 figure.
+_HOPPER_CONSTANTS: dict[str, Any] = {
+    **_GPU_CONSTANTS,
+    "attention_efficiency": 0.45,
+    "attention_half_flops": 1.7e11,
+}
 
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): bf16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink
@@ -149,7 +161,7 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bytes_per_s=450 * GB,
         inter_node_bytes_per_s=50 * GB,
         source="NVIDIA H100 datasheet; DGX H100 datasheet (400 Gb/s NIC per GPU)",
-        **_GPU_CONSTANTS,
+        **_HOPPER_CONSTANTS,
     ),
     # NVIDIA H800 SXM5 (export variant of H100): same tensor cores and HBM3 as H100 SXM5, NVLink limited to
     # 400 GB/s; NVIDIA H800 product brief (https://www.nvidia.cn/data-center/h800/). NIC: 400 Gb/s per GPU.
@@ -161,7 +173,7 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bytes_per_s=200 * GB,
         inter_node_bytes_per_s=50 * GB,
         source="NVIDIA H800 product brief; 400 Gb/s NIC per GPU",
-        **_GPU_CONSTANTS,
+        **_HOPPER_CONSTANTS,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): bf16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink
     # 900 GB/s; https://www.nvidia.com/en-us/data-center/h200/. NIC: 400 Gb/s per GPU (DGX H200).
@@ -173,6 +185,6 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bytes_per_s=450 * GB,
         inter_node_bytes_per_s=50 * GB,
         source="NVIDIA H200 datasheet; DGX H200 (400 Gb/s NIC per GPU)",
-        **_GPU_CONSTANTS,
+        **_HOPPER_CONSTANTS,
     ),
 }

@@ -118,6 +118,7 @@ def measured_profile(
         gemm_efficiency=1.0,  # the peak is itself a (large) GEMM's measured rate
         gemm_half_flops=small_flops * (1 / small_efficiency - 1),
         attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
+        attention_half_flops=0.0,
         grouped_gemm_efficiency=1.0,  # no MoE probe: an MoE layer is priced by its experts' GEMMs alone
         moe_operator_overhead=0.0,
         network_efficiency=1.0,  # the bandwidths above are already what a collective achieved

@@ -1,11 +1,15 @@
 """What the planner's compute terms assume, measured on a device: a GEMM's fraction of peak by its size,
-and an MoE layer's time against its expert GEMMs' at the planner's MoE shapes.
+causal attention's, and an MoE layer's time against its expert GEMMs' at the planner's MoE shapes.
 
 1. Dense GEMMs: the three GEMMs of a linear layer [tokens, k] x [k, n]'s forward and backward, for square
    and transformer-like shapes; each one's achieved FLOP/s over the device's peak (`observe/peak.py`).
    The planner's curve e(f) = gemm_efficiency x f / (f + gemm_half_flops) is fitted to these points by
    least squares in log space and printed beside them.
-2. MoE layers (megascale's `models/moe.py`, forward + backward), at the work one device does in the
+2. Causal attention (`F.scaled_dot_product_attention`, the kernel the device picks), forward + backward at
+   sequence 8192, head size 128, 4 and 32 heads: the planner's attention efficiency, its FLOPs counted as
+   `megascale.plan.compute` counts them (the two score matmuls over the keys a causal query sees, the
+   backward twice the forward).
+3. MoE layers (megascale's `models/moe.py`, forward + backward), at the work one device does in the
    layouts `plan/paper_moe.py` reproduces (Internal-352B: dim 4096, experts of 14336, top-3):
    - `ep8`: one MegaScale-MoE rank's share, 1,024 tokens routed over its 4 experts (768 slots each);
    - `tp8`: one Megatron-LM tensor-parallel rank's, 8,192 tokens over 32 experts of 1,792 (1/8 each);
@@ -14,8 +18,8 @@ and an MoE layer's time against its expert GEMMs' at the planner's MoE shapes.
 Wall time between synchronisations on an accelerator (median of --repeats), the process's CPU time on a
 CPU; prints one `name value` line per figure and writes them all as JSON.
 
-    python bench/gemm_efficiency.py --device cuda --out gpu-gemm.json
-    python bench/gemm_efficiency.py --scale 8 --out cpu-gemm.json   (every dimension / 8, on this CPU)
+    python bench/kernel_efficiency.py --device cuda --out gpu-kernels.json
+    python bench/kernel_efficiency.py --scale 8 --out cpu-kernels.json   (every dimension / 8, on this CPU)
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from megascale.config import load_config
 from megascale.models.moe import MoE, grouped_mlp, training_step
 from megascale.observe.peak import device_name, peak_for
+from megascale.plan.compute import keys_per_query
 
 # (tokens, in, out) of a linear layer: square, then Internal-352B-like and smaller transformer shapes.
 DENSE_SHAPES = [
@@ -47,6 +53,9 @@ DENSE_SHAPES = [
     (8192, 4096, 512),
     *[(tokens, 4096, n_out) for tokens in (768, 1024, 2048, 4096, 8192) for n_out in (1792, 4096, 14336)],
 ]
+# (sequence, heads, head size) of causal attention: one tensor- or sequence-parallel rank's share of the
+# Internal-352B's 32 heads over 8 ranks, and all of them.
+ATTENTION_SHAPES = [(8192, 4, 128), (8192, 32, 128)]
 # (name, tokens, experts, expert hidden) at dim 4096, top-3.
 MOE_SHAPES = [("ep8", 1024, 4, 14336), ("tp8", 8192, 32, 1792)]
 DIM, TOP_K = 4096, 3
@@ -118,6 +127,27 @@ def fit_curve(points: list[tuple[float, float]], peak: float) -> tuple[float, fl
     return best[1], best[2]
 
 
+def attention_efficiency(
+    scale: int, device: torch.device, dtype: torch.dtype, measure, peak_flops: float
+) -> dict[str, float]:
+    """Each attention shape's forward + backward over peak, counting 3 x the forward's score matmuls."""
+    results = {}
+    for seq, heads, head_dim in ATTENTION_SHAPES:
+        seq, head_dim = seq // scale, max(8, head_dim // scale)
+        q, k, v = (
+            torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        seconds = measure(backward_of(functools.partial(causal_attention, k=k, v=v), q))
+        flops = 3 * 4 * seq * keys_per_query(seq, None) * heads * head_dim
+        results[f"attention_{seq}x{heads}x{head_dim}_efficiency"] = flops / seconds / peak_flops
+    return results
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def backward_of(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], object]:
     return lambda: function(x).square().mean().backward()
 
@@ -161,7 +191,7 @@ def moe_ratios(scale: int, device: torch.device, dtype: torch.dtype, measure) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "gemm_efficiency.json"
+        "--out", type=Path, default=Path(__file__).parent / "results" / "kernel_efficiency.json"
     )
     parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', ...")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -184,6 +214,7 @@ def main() -> None:
         )
     e_max, half = fit_curve(points, peak_flops)
     results |= {"fitted_gemm_efficiency": e_max, "fitted_gemm_half_flops": half}
+    results |= attention_efficiency(args.scale, device, dtype, measure, peak_flops)
     results |= moe_ratios(args.scale, device, dtype, measure)
     for name, value in results.items():
         sys.stdout.write(f"{name} {value:.4g}\n")
