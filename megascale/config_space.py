@@ -69,7 +69,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.dp_shard", (1, 2)),
     Knob("parallel.tp", (1, 2)),
     Knob("parallel.ep", (1, 2), lambda row: _moe(row) and row["parallel.dp_shard"] > 1),
-    Knob("parallel.ep_comm_dtype", ("float32", "bfloat16"), _ep),
+    Knob("parallel.ep_comm_dtype", ("float32", "bfloat16", "float8_e4m3fn"), _ep),
     Knob("parallel.pp", (1, 2)),
     Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe"), _pp),
     Knob(

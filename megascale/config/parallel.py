@@ -63,9 +63,12 @@ class ParallelConfig:
     )
     ep_comm_dtype: str = option(
         "float32",
-        "Precision of the expert-parallel all-to-all payload, tokens forward and their gradients backward: "
-        "float32 (exact), or bfloat16 (half the bytes, rounded: MegaScale-MoE's compressed communication).",
-        choices=("float32", "bfloat16"),
+        "Precision of the expert-parallel all-to-all payload, tokens and expert outputs forward and their "
+        "gradients backward (MegaScale-MoE's compressed communication): float32 (exact); bfloat16 (half "
+        "the bytes, rounded); or float8_e4m3fn (half of bfloat16's bytes plus a float32 scale per 128 "
+        "channels of a row: each block scaled by its largest magnitude to e4m3's range, cast to fp8, and "
+        "dequantized on arrival, so sums stay in the compute dtype).",
+        choices=("float32", "bfloat16", "float8_e4m3fn"),
     )
     pp: int = option(1, "Pipeline-parallel stages.", ge=1)
     sequence_parallel: bool = option(

@@ -19,8 +19,19 @@ unit's reduce-scatter averages it over edp: the mean over all data-parallel rank
 other gradient (FSDP2's gradient divide factor would do it in the reduce-scatter, but as a pre-multiplied
 sum, which gloo does not have).
 
+Payload precision (`wire`, parallel.ep_comm_dtype): float32; bfloat16, a cast; or float8_e4m3fn,
+MegaScale-MoE's FP8 communication (§5), for the dispatch and the combine, forward and backward alike. An
+fp8 payload is quantized row by row in blocks of up to 128 channels, each scaled by amax(block) / 448 (the
+largest e4m3 number) into e4m3's range, and dequantized to the compute dtype on arrival, so that what
+follows (the grouped GEMMs, the sums of the gradients) runs in that dtype. The paper scales the
+forward per token and the backward per 128 channels; here both directions use blocks of 128, which is per
+token for rows of up to 128 channels. gloo takes no float8 tensor ("Invalid scalar type"), so a row
+travels as bytes: its fp8 values, then its blocks' float32 scales, in the same row of one uint8
+all-to-all (no second exchange for the scales): a quarter of float32's bytes plus 4 per block.
+
 Why by hand: torch has the collectives and DTensor but no expert-parallel style (torchtitan's is not part
-of torch), and its autograd-aware all-to-all is in the private functional collectives.
+of torch), its autograd-aware all-to-all is in the private functional collectives, and it has fp8 casts
+but no scaled fp8 collective (its scaled fp8 is for matmuls, `torch._scaled_mm`).
 """
 
 from __future__ import annotations
@@ -37,64 +48,86 @@ from torch.distributed.tensor import DTensor, Shard
 from megascale.models.moe import GroupedExperts, MoE, grouped_mlp
 from megascale.parallel.tensor import local_shard
 
+FP8_BLOCK = 128  # channels that share one scale in an fp8 payload's row
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max  # 448
+
+
+def quantize_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, dim] -> uint8 [n, dim + 4 * ceil(dim / FP8_BLOCK)]: each row's fp8 values, its blocks of
+    up to FP8_BLOCK channels scaled into e4m3's range by amax(block) / 448 (1 for a block of zeros), then
+    those blocks' float32 scales, as bytes."""
+    rows = rows.float()
+    amax = torch.stack([block.abs().amax(1) for block in rows.split(FP8_BLOCK, 1)], 1)
+    scales = torch.where(amax > 0, amax / _FP8_MAX, 1.0)
+    per_channel = scales.repeat_interleave(FP8_BLOCK, 1)[:, : rows.shape[1]]
+    values = (rows / per_channel).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+    return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], 1)
+
+
+def dequantize_fp8_rows(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows [n, dim] in `dtype` that `quantize_fp8_rows` packed into `payload`."""
+    values = payload[:, :dim].contiguous().view(_FP8).float()
+    scales = payload[:, dim:].contiguous().view(torch.float32)
+    return (values * scales.repeat_interleave(FP8_BLOCK, 1)[:, :dim]).to(dtype)
+
+
+def _encode(rows: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """`rows` [n, dim] as they travel: cast to `wire`, or as the bytes of their fp8 quantization."""
+    return quantize_fp8_rows(rows) if wire == _FP8 else rows.to(wire).contiguous()
+
+
+def _decode(payload: torch.Tensor, wire: torch.dtype, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fp8_rows(payload, dim, dtype) if wire == _FP8 else payload.to(dtype)
+
 
 class _InFlight:
-    """An asynchronous all-to-all between its issue and its wait."""
+    """An asynchronous all-to-all between its issue and its wait: how it was issued, and the rows arriving in
+    their wire's encoding."""
 
+    received: list[int]
+    sent: list[int]
+    group: dist.ProcessGroup
+    wire: torch.dtype
     work: dist.Work
+    arriving: torch.Tensor
 
 
-class _Issue(torch.autograd.Function):
-    """Starts sending rows of `x`, split `sent` to the group's ranks in order, and receiving `received`
-    rows from each, into the returned tensor, which `_Wait` makes ready; the backward sends the gradient
-    back the same way (synchronously)."""
+def _issue(
+    rows: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup, wire: torch.dtype
+) -> _InFlight:
+    """Starts sending `rows` [sum(sent), dim] encoded for `wire`, `sent[r]` of them to the group's rank r
+    in order, and receiving `received[r]` rows from each; not blocking (`_wait` finishes it)."""
+    flight = _InFlight()
+    flight.received, flight.sent, flight.group, flight.wire = received, sent, group, wire
+    payload = _encode(rows.detach(), wire)  # the gradient comes back by `_Wait`'s backward
+    flight.arriving = payload.new_empty(sum(received), payload.shape[1])
+    work = dist.all_to_all_single(flight.arriving, payload, received, sent, group=group, async_op=True)
+    assert work is not None  # async_op
+    flight.work = work
+    return flight
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        received: list[int],
-        sent: list[int],
-        group: dist.ProcessGroup,
-        flight: _InFlight,
-    ) -> torch.Tensor:
-        ctx.received, ctx.sent, ctx.group = received, sent, group
-        out = x.new_empty(sum(received), *x.shape[1:])
-        work = dist.all_to_all_single(out, x.contiguous(), received, sent, group=group, async_op=True)
-        assert work is not None  # async_op
-        flight.work = work
-        return out
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        back = grad.new_empty(sum(ctx.sent), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
-        return back, None, None, None, None
+def _wait(flight: _InFlight, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows [sum(received), dim] in `dtype` that `flight` brings, once arrived (blocking)."""
+    flight.work.wait()
+    return _decode(flight.arriving, flight.wire, dim, dtype)
 
 
 class _Wait(torch.autograd.Function):
-    """`x` once its all-to-all (`flight`) has finished; identity in the backward."""
+    """The rows that `flight`, issued from `rows`, brings, once arrived; the backward sends the gradient
+    back the same way, in the same precision (synchronously). The exchange's autograd node is its wait,
+    with the sent rows as input, because what travels (fp8's bytes) cannot carry a gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
-        flight.work.wait()
-        return x.view_as(x)
+    def forward(ctx: Any, rows: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.received, ctx.sent, ctx.group, ctx.wire = flight.received, flight.sent, flight.group, flight.wire
+        return _wait(flight, rows.shape[1], rows.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _all_to_all_start(
-    x: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup, wire: torch.dtype
-) -> tuple[torch.Tensor, _InFlight]:
-    """Issue the exchange of `x`'s rows with its payload (and its gradient's) in `wire` precision."""
-    flight = _InFlight()
-    return _Issue.apply(x.to(wire), received, sent, group, flight), flight
-
-
-def _all_to_all_finish(out: torch.Tensor, flight: _InFlight, dtype: torch.dtype) -> torch.Tensor:
-    return _Wait.apply(out, flight).to(dtype)
+        back = _issue(grad, ctx.sent, ctx.received, ctx.group, ctx.wire)
+        return _wait(back, grad.shape[1], grad.dtype), None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -163,19 +196,19 @@ class ExpertParallelExperts(GroupedExperts):
             sent = mine.view(ranks, local).sum(1).tolist()
             received = theirs.sum(1).tolist()
             payload = x if where is None else x[where]
-            dispatches.append((*_all_to_all_start(payload, received, sent, group, wire), sent, received))
+            dispatches.append((payload, _issue(payload, received, sent, group, wire)))
         # Arrivals come grouped by source rank, then by expert; sorted by these keys (expert, then source)
         # each expert's slots are one run for the grouped GEMM.
         keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
         keys = keys.to(counts.device)
         combines = []
-        for (out, flight, sent, received), theirs in zip(dispatches, arriving):
-            arrived = _all_to_all_finish(out, flight, x.dtype)
+        for (payload, flight), theirs in zip(dispatches, arriving):
+            arrived = _Wait.apply(payload, flight)
             order = keys.repeat_interleave(theirs.flatten()).argsort(stable=True)
             computed = grouped_mlp(arrived[order], theirs.sum(0), *weights)  # type: ignore[arg-type]
-            started = _all_to_all_start(computed[order.argsort()], sent, received, group, wire)
-            combines.append((*started, computed.dtype))
-        results = [_all_to_all_finish(out, flight, dtype) for out, flight, dtype in combines]
+            computed = computed[order.argsort()]
+            combines.append((computed, _issue(computed, flight.sent, flight.received, group, wire)))
+        results = [_Wait.apply(computed, flight) for computed, flight in combines]
         if positions[0] is None:
             return results[0]
         output = results[0].new_zeros(x.shape[0], results[0].shape[1])
