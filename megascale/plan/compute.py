@@ -112,7 +112,7 @@ def block_time(
         tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
     )
     if moe is not None:
-        elementwise_s += moe.shuffle_s
+        elementwise_s += moe.other_ops_s
     host_s = profile.layer_overhead_s
     if layout.tp > 1:
         activations = tokens * model.dim * job.precision.activation_bytes

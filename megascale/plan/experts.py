@@ -1,4 +1,4 @@
-"""A mixture-of-experts layer in the cost model: its GEMMs, token shuffling and all-to-alls on one device.
+"""A mixture-of-experts layer in the cost model: its GEMMs, its other operators and all-to-alls on one device.
 
 Where an MoE layer's work lands depends on how the layout spreads it (`Layout.moe_tp`, `Layout.ep`):
 - "split" (Megatron-LM): each rank of a tp group holds 1/tp of every expert's hidden size and computes
@@ -9,7 +9,10 @@ Where an MoE layer's work lands depends on how the layout spreads it (`Layout.mo
   and sends the token slots of its share of the sequence to their experts' ranks by all-to-all.
 With `ep > 1` outside "ep" the experts are split over ep data-parallel ranks, which exchange their own
 micro-batches' slots the same way. Experts are taken as evenly loaded (the balancing the router is trained
-for), so every device computes its share of the slots: tokens x top_k x (its experts / all experts).
+for), so every device computes its share of the slots: tokens x top_k x (its experts / all experts). The
+experts run as grouped GEMMs at the profile's fraction of the rate of one expert's GEMM, and the layer's
+other operators (router, sort, gather, scatter) cost the profile's share of their time: both measured on
+an H100 (bench/kernel_efficiency.py, docs/gpu.md).
 
 The all-to-all is timed per device from the bytes it sends to the other ranks of its group, those on its
 node over the intra-node link and the rest over its NIC at the same time; a chunked overlap
@@ -37,7 +40,7 @@ class MoEWork:
 
     gemm_s: float  # router, routed experts (their grouped GEMMs) and shared experts
     expert_gemm_s: float  # the part of gemm_s an all-to-all can overlap (routed experts)
-    shuffle_s: float  # the layer's other operators: routing, slots sorted, gathered and scattered back
+    other_ops_s: float  # the layer's other operators: routing, slots sorted, gathered and scattered back
     all_to_all_s: float  # dispatch and combine, forward and backward (and recomputation)
     forward_all_to_all_s: float  # the forward's share of all_to_all_s
 
@@ -139,7 +142,7 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
     return MoEWork(
         gemm_s=expert_gemm_s + router_s + shared_s,
         expert_gemm_s=expert_gemm_s,
-        shuffle_s=profile.moe_operator_overhead * expert_gemm_s,
+        other_ops_s=profile.moe_operator_overhead * expert_gemm_s,
         all_to_all_s=2 * exchanges * one_s,
         forward_all_to_all_s=2 * one_s,
     )

@@ -41,8 +41,8 @@ EXPLAIN = {
     "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
     "6 x tokens x weights FLOPs, each GEMM at the efficiency its size earns",
     "attention": "score matmuls in a FlashAttention kernel (v2 with fused kernels, else v1 at half speed)",
-    "elementwise": "norms, activations, dropout, residuals (and MoE token shuffling): passes over the "
-    "activations through HBM",
+    "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
+    "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs",
     "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
     "recompute": "the forward again under full activation checkpointing",
     "output_layer": "vocabulary projection on the last stage (and host time outside the blocks)",

@@ -69,7 +69,7 @@ def test_the_dispatch_moves_each_slot_of_the_ranks_share_of_the_sequence():
 
 def test_the_overlap_hides_all_but_the_first_chunk_while_the_experts_last():
     long_experts = MoEWork(
-        gemm_s=10.0, expert_gemm_s=9.0, shuffle_s=0.0, all_to_all_s=1.0, forward_all_to_all_s=0.5
+        gemm_s=10.0, expert_gemm_s=9.0, other_ops_s=0.0, all_to_all_s=1.0, forward_all_to_all_s=0.5
     )
     assert exposed_all_to_all_seconds(long_experts, "none") == 1.0
     assert exposed_all_to_all_seconds(long_experts, "both") == pytest.approx(0.25)
