@@ -168,13 +168,6 @@ class ParallelDims:
             )
         if experts % self.ep:
             fail("model.moe.experts", experts, f"is not divisible by parallel.ep = {self.ep}")
-        if self.dp_replicate > 1:
-            fail(
-                "parallel.ep",
-                self.ep,
-                f"cannot be used with parallel.dp_replicate = {self.dp_replicate}: the experts' weights "
-                "would need HSDP over a mesh of their own; shard instead (--parallel.dp_shard)",
-            )
         if cfg.parallel.activation_checkpoint == "selective":
             fail(
                 "parallel.activation_checkpoint",
@@ -281,9 +274,14 @@ class ParallelDims:
             self._mesh = self._torch_mesh(device_type, names, shape, timeout)
         if self.ep > 1:
             # This rank's dp_shard ranks as (edp, ep), ep innermost: an expert-parallel group is adjacent
-            # ranks (inside a node, where the all-to-all is cheapest).
-            ranks = self._mesh["dp_shard"].mesh.reshape(self.dp_shard // self.ep, self.ep)
-            self._expert_mesh = self._mesh_of_own_groups(device_type, ("edp", "ep"), ranks, timeout)
+            # ranks (inside a node, where the all-to-all is cheapest); under HSDP, each replica's alike.
+            shard = (self.dp_shard // self.ep, self.ep)
+            if self.dp_replicate > 1:
+                ranks = self._mesh["dp_replicate", "dp_shard"].mesh.reshape(self.dp_replicate, *shard)
+                expert_names: tuple[str, ...] = ("dp_replicate", "edp", "ep")
+            else:
+                ranks, expert_names = self._mesh["dp_shard"].mesh.reshape(*shard), ("edp", "ep")
+            self._expert_mesh = self._mesh_of_own_groups(device_type, expert_names, ranks, timeout)
         return self._mesh
 
     @staticmethod
@@ -318,8 +316,9 @@ class ParallelDims:
         return mesh[names[0] if len(names) == 1 else names]
 
     def expert_mesh(self) -> DeviceMesh:
-        """The 2-D mesh (edp, ep) over this rank's dp_shard group: the experts are split over 'ep' and
-        their weights sharded by FSDP over 'edp'; jobs with ep > 1 only."""
+        """The mesh (edp, ep) over this rank's dp_shard group, (dp_replicate, edp, ep) under HSDP: the
+        experts are split over 'ep' and their weights sharded by FSDP over 'edp' (and replicated over
+        'dp_replicate'); jobs with ep > 1 only."""
         if self._expert_mesh is None:
             raise RuntimeError(f"ParallelDims.expert_mesh: no expert mesh for {self.describe()}")
         return self._expert_mesh

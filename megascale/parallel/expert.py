@@ -221,10 +221,13 @@ def apply_expert_parallel(
     part: nn.Module, expert_mesh: DeviceMesh, *, reshard: bool, chunks: int, wire: torch.dtype | None
 ) -> None:
     """Every MoE layer of `part`, in place: its experts split over expert_mesh['ep'] and FSDP-sharded
-    over expert_mesh['edp'] (`reshard`: freed after forward, as ZeRO-3 does); the slots travel in `chunks`
-    chunks, in `wire` precision (None: their own). Collective over the expert mesh; apply before the
+    over expert_mesh['edp'], replicated over its 'dp_replicate' when it has one (HSDP; `reshard`: freed
+    after forward, as ZeRO-3 does); the slots travel in `chunks` chunks, in `wire` precision (None: their
+    own). Collective over the expert mesh; apply before the
     blocks' FSDP, on identical models."""
     ep_mesh = expert_mesh["ep"]
+    names = expert_mesh.mesh_dim_names or ()
+    data_dims = ("dp_replicate", "edp") if "dp_replicate" in names else "edp"  # HSDP, or FSDP
     rank, ranks = ep_mesh.get_local_rank(), ep_mesh.size()
     for module in part.modules():
         if not isinstance(module, MoE):
@@ -237,4 +240,4 @@ def apply_expert_parallel(
         experts.__class__ = ExpertParallelExperts
         parallel = cast(ExpertParallelExperts, experts)
         parallel.ep_group, parallel.chunks, parallel.wire = ep_mesh.get_group(), chunks, wire
-        fully_shard(experts, mesh=expert_mesh["edp"], reshard_after_forward=reshard)
+        fully_shard(experts, mesh=expert_mesh[data_dims], reshard_after_forward=reshard)

@@ -99,11 +99,6 @@ def test_dp_shard_takes_the_rest_of_the_world():
             "model.moe.experts = 4 is not divisible by parallel.ep = 3",
         ),
         (
-            4,
-            ["--model.moe.experts=4", "--parallel.ep=2", "--parallel.dp_replicate=2"],
-            "parallel.ep = 2 cannot be used with parallel.dp_replicate = 2",
-        ),
-        (
             2,
             ["--model.moe.experts=4", "--parallel.ep=2", "--parallel.activation_checkpoint=selective"],
             "parallel.activation_checkpoint = 'selective' cannot be used with parallel.ep = 2",

@@ -112,12 +112,14 @@ def test_the_chunks_deal_each_experts_slots_evenly_and_cover_every_slot_once():
     [
         {"parallel.dp_shard": 4, "parallel.ep": 2, "model.moe.capacity_factor": 1.0},  # experts FSDP over 2
         {"parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero_stage": 1, "model.moe.score": "sigmoid"},
+        {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.ep": 2},  # experts under HSDP
     ],
-    ids=["ep2-x-edp2-capacity", "ep2-x-edp2-zero1-bias"],
+    ids=["ep2-x-edp2-capacity", "ep2-x-edp2-zero1-bias", "ep2-x-hsdp2"],
 )
 def test_training_with_experts_sharded_over_ep_and_edp_matches_one_process(layout, tiny_corpus, tmp_path):
-    """The every-pair set's layouts have dp_shard 2, so edp 1: here the experts' FSDP over edp > 1 trains
-    10 steps against one process (and resumes and exports), as the matrix's rows do."""
+    """The every-pair set's layouts have dp_shard 2, so edp 1: here the experts' FSDP over edp > 1, and
+    their HSDP over replicas, train 10 steps against one process (and resume and export), as the
+    matrix's rows do."""
     row = {
         **config_space.default_row(),
         "model.moe.experts": 4,
