@@ -26,9 +26,9 @@ class OverlapConfig:
     ep: bool = option(
         True,
         "Expert parallelism: each MoE layer's token slots travel in 2 chunks, both dispatched at once; a "
-        "chunk's expert compute runs while the other chunk's dispatch or combine all-to-all is in flight "
-        "(MegaScale-MoE's overlap of the all-to-all with the experts' GEMMs); off: one synchronous "
-        "dispatch and combine.",
+        "chunk's expert compute runs while the other chunk's dispatch or combine all-to-all is in flight, "
+        "forward and backward (MegaScale-MoE's overlap of the all-to-all with the experts' GEMMs); off: "
+        "one synchronous dispatch and combine.",
     )
     pp: bool = option(
         True,

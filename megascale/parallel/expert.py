@@ -114,20 +114,66 @@ def _wait(flight: _InFlight, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return _decode(flight.arriving, flight.wire, dim, dtype)
 
 
+class _Returning:
+    """The gradient's exchange of one `_Wait`: issued by its backward, waited for by `_WaitForGradient`'s."""
+
+    flight: _InFlight
+
+
 class _Wait(torch.autograd.Function):
     """The rows that `flight`, issued from `rows`, brings, once arrived; the backward sends the gradient
-    back the same way, in the same precision (synchronously). The exchange's autograd node is its wait,
-    with the sent rows as input, because what travels (fp8's bytes) cannot carry a gradient."""
+    back the same way, in the same precision. The exchange's autograd node is its wait, with the sent rows
+    as input, because what travels (fp8's bytes) cannot carry a gradient. Without `returning` the backward
+    waits for the gradient's exchange itself; with it, it only issues it and hands an unfilled tensor to
+    the `_WaitForGradient` node on `rows`, which waits: the nodes autograd runs in between (another
+    chunk's expert GEMMs) overlap the transfer."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+    def forward(
+        ctx: Any, rows: torch.Tensor, flight: _InFlight, returning: _Returning | None = None
+    ) -> torch.Tensor:
         ctx.received, ctx.sent, ctx.group, ctx.wire = flight.received, flight.sent, flight.group, flight.wire
+        ctx.returning = returning
         return _wait(flight, rows.shape[1], rows.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         back = _issue(grad, ctx.sent, ctx.received, ctx.group, ctx.wire)
-        return _wait(back, grad.shape[1], grad.dtype), None
+        if ctx.returning is None:
+            return _wait(back, grad.shape[1], grad.dtype), None, None
+        ctx.returning.flight = back
+        return grad.new_empty(sum(ctx.sent), grad.shape[1]), None, None  # filled by _WaitForGradient
+
+
+class _WaitForGradient(torch.autograd.Function):
+    """Identity; in the backward, the gradient that `returning`'s exchange brings back, once arrived. Put
+    on the rows a `_Wait` sends, it comes before that `_Wait` in the forward and so after it in the
+    backward, with whatever autograd runs between them."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, returning: _Returning) -> torch.Tensor:
+        ctx.returning = returning
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, unfilled: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _wait(ctx.returning.flight, unfilled.shape[1], unfilled.dtype), None
+
+
+def _exchange_start(
+    rows: torch.Tensor,
+    received: list[int],
+    sent: list[int],
+    group: dist.ProcessGroup,
+    wire: torch.dtype,
+    overlap_backward: bool,
+) -> tuple[torch.Tensor, _InFlight, _Returning | None]:
+    """Issue the exchange of `rows`; (the rows to hand its `_Wait`, the flight, the gradient's return when
+    the backward overlaps it)."""
+    returning = _Returning() if overlap_backward else None
+    if returning is not None:
+        rows = _WaitForGradient.apply(rows, returning)
+    return rows, _issue(rows, received, sent, group, wire), returning
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -168,7 +214,8 @@ class ExpertParallelExperts(GroupedExperts):
 
     The slots go in `chunks` chunks (each expert's slots dealt evenly): every chunk's dispatch is issued
     at once, and each chunk's expert compute runs while the later chunks' dispatches and the earlier
-    chunks' combines are in flight. The payload travels in `wire` precision."""
+    chunks' combines are in flight; in the backward, each chunk's returning gradients travel while the
+    other chunk's expert GEMMs run backward. The payload travels in `wire` precision."""
 
     ep_group: dist.ProcessGroup
     chunks: int = 1
@@ -191,24 +238,25 @@ class ExpertParallelExperts(GroupedExperts):
         positions = _chunk_slots(counts, self.chunks) if self.chunks > 1 else [None]
         chunk_counts = _chunk_counts(counts, self.chunks)
         arriving = _chunk_counts(by_source, self.chunks)
+        overlap = self.chunks > 1  # the backward's exchanges overlap the other chunks' GEMMs too
         dispatches = []
         for where, mine, theirs in zip(positions, chunk_counts, arriving):
             sent = mine.view(ranks, local).sum(1).tolist()
             received = theirs.sum(1).tolist()
             payload = x if where is None else x[where]
-            dispatches.append((payload, _issue(payload, received, sent, group, wire)))
+            dispatches.append(_exchange_start(payload, received, sent, group, wire, overlap))
         # Arrivals come grouped by source rank, then by expert; sorted by these keys (expert, then source)
         # each expert's slots are one run for the grouped GEMM.
         keys = torch.arange(local).repeat(ranks) * ranks + torch.arange(ranks).repeat_interleave(local)
         keys = keys.to(counts.device)
         combines = []
-        for (payload, flight), theirs in zip(dispatches, arriving):
-            arrived = _Wait.apply(payload, flight)
+        for (payload, flight, returning), theirs in zip(dispatches, arriving):
+            arrived = _Wait.apply(payload, flight, returning)
             order = keys.repeat_interleave(theirs.flatten()).argsort(stable=True)
             computed = grouped_mlp(arrived[order], theirs.sum(0), *weights)  # type: ignore[arg-type]
             computed = computed[order.argsort()]
-            combines.append((computed, _issue(computed, flight.sent, flight.received, group, wire)))
-        results = [_Wait.apply(computed, flight) for computed, flight in combines]
+            combines.append(_exchange_start(computed, flight.sent, flight.received, group, wire, overlap))
+        results = [_Wait.apply(*combine) for combine in combines]
         if positions[0] is None:
             return results[0]
         output = results[0].new_zeros(x.shape[0], results[0].shape[1])

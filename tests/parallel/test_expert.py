@@ -236,3 +236,44 @@ def test_an_fp8_payload_trains_as_float32_does_with_a_quarter_of_the_bytes_plus_
         assert 0 < max(differences) < TOLERANCES["float8_e4m3fn"].loss, differences
         assert (exact_bytes, fp8_bytes) == (exact_rows * 32 * 4, fp8_rows * (32 + 4))
         assert fp8_bytes / exact_bytes == pytest.approx(36 / 128, rel=0.05)  # routing may differ a little
+
+
+def _backward_exchanges(rank: int, world: int, overrides: list[str]) -> str:
+    """The backward's all-to-all issues (I) and waits (W) on this rank, in order, one training step."""
+    from megascale.parallel import expert
+
+    cfg = load_config(None, [*MODEL, "--parallel.ep=2", *overrides])
+    dims = ParallelDims.from_config(cfg, world)
+    dims.build_mesh("cpu")
+    stepped = parallelize(_model(cfg), dims, cfg.parallel, device=torch.device("cpu"), microbatches=1)
+    events: list[str] | None = None  # a list once the forward is over
+    issue, wait = expert._issue, expert._wait
+
+    def recording(letter, function):
+        def recorded(*args, **kwargs):
+            if events is not None:
+                events.append(letter)
+            return function(*args, **kwargs)
+
+        return recorded
+
+    def loss_then_record(logits, labels):
+        nonlocal events
+        events = []
+        return next_token_loss(logits, labels)
+
+    expert._issue, expert._wait = recording("I", issue), recording("W", wait)
+    tokens = torch.randint(257, (4, 17), generator=torch.Generator().manual_seed(1))
+    stepped.forward_backward([(tokens[:, :-1], tokens[:, 1:])], loss_then_record)
+    return "".join(events or [])
+
+
+def test_the_backward_overlaps_each_chunks_returning_gradients_with_the_other_chunks_gemms():
+    """Per MoE layer, with two chunks: both combines' gradients are sent before either is waited for, and
+    each chunk's dispatch gradient is sent before the other chunk's expert GEMMs run backward (its next
+    issue) and waited for only after them; with one chunk every exchange is waited for at once."""
+    layers = 2  # the tiny model's MoE layers
+    for events in run_ranks(_backward_exchanges, 2, [], timeout_s=120):
+        assert events == "IIWIWIWW" * layers, events
+    for events in run_ranks(_backward_exchanges, 2, ["--parallel.overlap.ep=false"], timeout_s=120):
+        assert events == "IWIW" * layers, events
