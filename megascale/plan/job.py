@@ -104,7 +104,7 @@ class Features:
     fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
     # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
-    # "forward" (megascale's parallel.overlap.ep), or "both" (forward and backward).
+    # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep).
     ep_overlap: str = "none"
     # How the system lays an MoE layer over the tp ranks (Layout.moe_tp): Megatron-LM splits each expert;
     # MegaScale-MoE makes the tp ranks the expert-parallel group, with sequence-parallel attention.
