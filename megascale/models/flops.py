@@ -25,6 +25,11 @@ def attention_params(cfg: ModelConfig) -> int:
     return 2 * cfg.dim * cfg.attention.n_heads * head_dim + 2 * cfg.dim * cfg.attention.n_kv_heads * head_dim
 
 
+def expert_params(cfg: ModelConfig) -> int:
+    """Weights of one routed (or shared) expert of an MoE layer."""
+    return _mlp_params(cfg, expert_dim_of(cfg))
+
+
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
     """Weights of one dense block's linear layers (q, k, v, o and the MLP)."""
     return attention_params(cfg) + _mlp_params(cfg, ffn_dim_of(cfg))
@@ -37,7 +42,7 @@ def matmul_params(cfg: ModelConfig, active: bool = False) -> int:
     dense = matmul_params_per_layer(cfg)
     if not moe.experts:
         return cfg.n_layers * dense
-    expert = _mlp_params(cfg, expert_dim_of(cfg))
+    expert = expert_params(cfg)
     routed = moe.top_k if active else moe.experts
     moe_layer = attention_params(cfg) + cfg.dim * moe.experts + (routed + moe.shared_experts) * expert
     return moe.dense_layers * dense + (cfg.n_layers - moe.dense_layers) * moe_layer

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from megascale.config import ModelConfig
-from megascale.models.flops import flops_per_token
-from megascale.models.moe import MoE, expert_dim_of
+from megascale.models.flops import expert_params, flops_per_token
+from megascale.models.moe import MoE
 
 
 def expert_slots_by_rank(
@@ -69,6 +69,5 @@ def routed_expert_share(cfg: ModelConfig, seq_len: int) -> float:
     moe = cfg.moe
     if not moe.experts:
         return 0.0
-    expert_weights = (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * expert_dim_of(cfg)
-    routed = 6 * (cfg.n_layers - moe.dense_layers) * moe.top_k * expert_weights
+    routed = 6 * (cfg.n_layers - moe.dense_layers) * moe.top_k * expert_params(cfg)
     return routed / flops_per_token(cfg, seq_len)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megascale.config import ModelConfig
+from megascale.models.flops import expert_params
 from megascale.models.moe import expert_dim_of
 from megascale.plan.comm import link
 from megascale.plan.hardware import HardwareProfile
@@ -166,7 +167,7 @@ def moe_block_params(job: Job, layout: Layout) -> tuple[float, float]:
     """(parameters of one MoE block's layer outside the routed experts, the routed experts) one device
     holds: router and shared experts split like a dense MLP under "split", whole otherwise."""
     model, moe = job.model, job.model.moe
-    expert = (3 if model.mlp == "swiglu" else 2) * model.dim * expert_dim_of(model)
+    expert = expert_params(model)
     split = layout.tp if layout.moe_tp == "split" else 1
     routed = moe.experts * expert / split / expert_group(layout)
     return model.dim * moe.experts + moe.shared_experts * expert / split, routed
