@@ -1,10 +1,11 @@
 """Seconds of one collective or point-to-point transfer over the link its group uses (alpha-beta model).
 
 A ring all-gather or reduce-scatter over n ranks sends (n - 1)/n of the full tensor through each rank's link
-in n - 1 latency-bound steps; an all-reduce is the two back to back. A group whose ranks all sit in one
-node uses the intra-node link (NVLink; shared memory for gloo on one host), any other its NIC: with one
-NIC per GPU wired multi-rail (paper §3.6) every device drives its own, so the NIC rate per device bounds
-the ring. Which ranks share a node follows from the rank order (`megascale.plan.placement`).
+in n - 1 latency-bound steps; an all-reduce is the two back to back; an all-to-all sends each peer its
+part directly. A group whose ranks all sit in one node uses the intra-node link (NVLink; shared memory for
+gloo on one host), any other its NIC: with one NIC per GPU wired multi-rail (paper §3.6) every device
+drives its own, so the NIC rate per device bounds the ring. Which ranks share a node follows from the rank
+order (`megascale.plan.placement`).
 """
 
 from __future__ import annotations
@@ -38,3 +39,20 @@ def send_seconds(payload_bytes: float, profile: HardwareProfile, cross_node: boo
     """One point-to-point transfer (a send and its matching receive)."""
     bandwidth, latency = link(profile, cross_node)
     return latency + payload_bytes / bandwidth
+
+
+def all_to_all_seconds(bytes_per_rank: float, ranks: int, stride: int, profile: HardwareProfile) -> float:
+    """One all-to-all in which every rank holds `bytes_per_rank` and keeps 1/ranks of it; the group's
+    ranks are `stride` apart (consecutive ranks share nodes). Each peer gets its part directly: the parts
+    for peers on the node take the intra-node link, the rest the NIC, both at once."""
+    if ranks <= 1:
+        return 0.0
+    on_node = max(1, min(ranks, profile.devices_per_node // stride))
+    local_peers, remote_peers = on_node - 1, ranks - on_node
+    part = bytes_per_rank / ranks
+    seconds = 0.0
+    for peers, cross in ((local_peers, False), (remote_peers, True)):
+        if peers:
+            bandwidth, latency = link(profile, cross)
+            seconds = max(seconds, latency + peers * part / bandwidth)
+    return seconds

@@ -14,10 +14,10 @@ experts run as grouped GEMMs at the profile's fraction of the rate of one expert
 other operators (router, sort, gather, scatter) cost the profile's share of their time: both measured on
 an H100 (bench/kernel_efficiency.py, docs/gpu.md).
 
-The all-to-all is timed per device from the bytes it sends to the other ranks of its group, those on its
-node over the intra-node link and the rest over its NIC at the same time; a chunked overlap
-(`Features.ep_overlap`, MegaScale-MoE §4) hides it behind the experts' GEMMs as far as they last, the
-first chunk excepted, as the TP overlap does (`megascale.plan.step`).
+The all-to-all is timed per device (`plan/comm.py`) from the bytes it sends to the other ranks of its
+group, those on its node over the intra-node link and the rest over its NIC at the same time; a chunked
+overlap (`Features.ep_overlap`, MegaScale-MoE §4) hides it behind the experts' GEMMs as far as they last,
+the first chunk excepted, as the TP overlap does (`megascale.plan.step`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from megascale.config import ModelConfig
 from megascale.models.flops import expert_params
 from megascale.models.moe import expert_dim_of
-from megascale.plan.comm import link
+from megascale.plan.comm import all_to_all_seconds
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Job, Layout
 
@@ -97,23 +97,6 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
     if layout.moe_tp == "split" and expert_dim_of(model) % layout.tp:
         return f"expert hidden size {expert_dim_of(model)} does not split over tp {layout.tp}"
     return None
-
-
-def all_to_all_seconds(bytes_per_rank: float, ranks: int, stride: int, profile: HardwareProfile) -> float:
-    """One all-to-all in which every rank holds `bytes_per_rank` and keeps 1/ranks of it; the group's
-    ranks are `stride` apart (consecutive ranks share nodes). Each peer gets its part directly: the parts
-    for peers on the node take the intra-node link, the rest the NIC, both at once."""
-    if ranks <= 1:
-        return 0.0
-    on_node = max(1, min(ranks, profile.devices_per_node // stride))
-    local_peers, remote_peers = on_node - 1, ranks - on_node
-    part = bytes_per_rank / ranks
-    seconds = 0.0
-    for peers, cross in ((local_peers, False), (remote_peers, True)):
-        if peers:
-            bandwidth, latency = link(profile, cross)
-            seconds = max(seconds, latency + peers * part / bandwidth)
-    return seconds
 
 
 def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -> MoEWork:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from megascale.config import head_dim_of
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token
-from megascale.plan.comm import gather_or_scatter_seconds, group_spans_nodes, send_seconds
+from megascale.plan.comm import all_to_all_seconds, gather_or_scatter_seconds, group_spans_nodes, send_seconds
 from megascale.plan.compute import (
     BlockTime,
     attention_linear_seconds,
@@ -43,7 +43,6 @@ from megascale.plan.compute import (
 )
 from megascale.plan.experts import (
     MoEWork,
-    all_to_all_seconds,
     exposed_all_to_all_seconds,
     layout_problem,
     moe_layers,

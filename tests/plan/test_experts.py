@@ -11,7 +11,8 @@ from megascale.config import load_config
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token, num_params
 from megascale.plan import paper_moe
-from megascale.plan.experts import MoEWork, all_to_all_seconds, exposed_all_to_all_seconds, moe_work
+from megascale.plan.comm import all_to_all_seconds
+from megascale.plan.experts import MoEWork, exposed_all_to_all_seconds, moe_work
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Cluster, Features, Job, Layout, job_from_config, layout_from_config
 from megascale.plan.memory import memory_per_device, stage_param_groups
