@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import statistics
 import sys
@@ -37,6 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record, run as a script
+
+from bench.record import save_record  # noqa: E402
 from megascale.config import load_config
 from megascale.models.moe import MoE, grouped_mlp, training_step
 from megascale.observe.peak import device_name, peak_for
@@ -218,16 +220,14 @@ def main() -> None:
     results |= moe_ratios(args.scale, device, dtype, measure)
     for name, value in results.items():
         sys.stdout.write(f"{name} {value:.4g}\n")
-    meta = {
+    setup = {
         "device": device_name(device),
         "peak_tflops": peak.tflops,
         "dtype": args.dtype,
         "scale": args.scale,
         "repeats": args.repeats,
-        "torch": torch.__version__,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+    save_record(args.out, results, setup)
 
 
 if __name__ == "__main__":
