@@ -335,6 +335,7 @@ class Result:
     val_loss: float = math.nan  # largest |validation loss - reference|
     resumed: float = math.nan  # largest |loss - reference| over the steps resumed on one process
     export: float | str = math.nan  # largest |logit difference| of the export, or its refusal
+    dropped: float = math.nan  # with an MoE capacity: largest |dropped share - reference| over the steps
     seconds: float = 0.0
     message: str = ""  # the refusal, the crash, or what did not match
 
@@ -370,6 +371,14 @@ def compare(row: Row, got: list[dict], reference: list[dict], after: dict[str, A
         ("val loss", result.val_loss, tolerance.loss),
     ]
     failures = []
+    if row["model.moe.experts"] and row["model.moe.capacity_factor"] is not None:
+        result.dropped = _largest(
+            _by_step(got, "moe_dropped_fraction"), _by_step(reference, "moe_dropped_fraction")
+        )
+        # The capacity is per sequence, so the same tokens are dropped in every layout; rounding other
+        # than float32's can move a token at a near-tie of the router across the line.
+        if precisions == {"float32"} and result.dropped != 0:
+            failures.append(f"dropped share differs by {result.dropped:.2e}")
     if after is not None:
         later = {step: loss for step, loss in _by_step(reference, "loss").items() if step > SAVE_AT}
         result.resumed = _largest(_by_step(after["resumed"], "loss"), later)
@@ -477,7 +486,9 @@ def render(results: list[Result], cover: Covering, command: str) -> str:
         "loss delta| (step 10); the largest |loss delta| of its step-5 checkpoint resumed on one "
         "process (steps 6-10); the largest |logit delta| of its step-10 checkpoint exported to Hugging Face "
         "against the same checkpoint on one process (`refused`: the model has no Llama equivalent, and "
-        f"the export said so, naming the field). Bounds: {bounds}; the export {EXPORT_ATOL:.0e}. "
+        f"the export said so, naming the field). Bounds: {bounds}; the export {EXPORT_ATOL:.0e}. With an "
+        "MoE capacity, each step's share of dropped token slots must equal one process's in float32 "
+        "(`dropped` in pairs.json). "
         f"{len(ran)} combinations ran: {count['matched']} matched, {count['MISMATCH']} mismatched, "
         f"{count['CRASH']} crashed; {len(results) - len(ran)} were refused by validation. They took "
         f"{sum(r.seconds for r in ran) / 60:.0f} minutes on a 2-core CPU (gloo, torch 2.13.0+cpu)."
