@@ -3,10 +3,11 @@ with each overlap off and on, and all on, side by side in one run.
 
 Two "nodes" (network namespaces, bench/netem.py): the links inside a node (loopback) and between the
 nodes (a veth pair) are limited with `tc` (bandwidth and delay with netem; bandwidth only where the kernel
-lacks netem, as in this project's VM). Six layouts: dp2 x tp2 (data parallelism across the nodes) and
+lacks netem, as in this project's VM). Seven layouts: dp2 x tp2 (data parallelism across the nodes) and
 tp2 x pp2 interleaved (the pipeline across them), two ranks per node with tensor parallelism inside one;
-and dp2, tp2, pp2 interleaved and ep2 (an MoE model's 4 experts split over the two nodes: the expert
-all-to-all crosses them), one rank per core. For every layout the job runs with all overlaps off,
+and dp2, tp2, pp2 interleaved, ep2 (an MoE model's 4 experts split over the two nodes: the expert
+all-to-all crosses them) and cp2 (every sequence split over the two nodes: the ring's keys and values
+cross them), one rank per core. For every layout the job runs with all overlaps off,
 with each one alone on, and with all on; the figures are the medians over the steps after warm-up of rank
 0's step time and exposed communication (the timeline's `comm_exposed_s`: time the training thread waited
 for collectives). Without root the ranks run on plain loopback, and the output says so.
@@ -82,13 +83,15 @@ LAYOUTS = {  # flags, the overlaps that apply, the node of each rank
         ("ep", "dp"),
         (0, 1),
     ),
+    # Every sequence split over the two nodes: each ring step's keys and values cross them.
+    "cp2": (["--parallel.dp_shard=2", "--parallel.cp=2"], ("cp", "dp"), (0, 1)),
     "pp2": (
         ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"],
         ("pp",),
         (0, 1),
     ),
 }
-ALL = ("tp", "pp", "dp", "ep")
+ALL = ("tp", "pp", "dp", "ep", "cp")
 
 
 def configurations(switches: tuple[str, ...]) -> dict[str, dict[str, bool]]:

@@ -41,8 +41,10 @@ def _dp(row: Mapping[str, Any]) -> bool:
     return row["parallel.dp_replicate"] * row["parallel.dp_shard"] > 1
 
 
-def _ep(row: Mapping[str, Any]) -> bool:
-    return row["parallel.ep"] > 1
+def experts_split(row: Mapping[str, Any]) -> bool:
+    """The experts are split over ranks, their token slots exchanged by all-to-all: over ep dp_shard
+    ranks, or the tp ranks (parallel.moe_tp)."""
+    return row["parallel.ep"] > 1 or row["parallel.moe_tp"] == "ep"
 
 
 def _tp(row: Mapping[str, Any]) -> bool:
@@ -68,8 +70,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.dp_replicate", (1, 2)),
     Knob("parallel.dp_shard", (1, 2)),
     Knob("parallel.tp", (1, 2)),
+    Knob("parallel.cp", (1, 2), lambda row: row["parallel.dp_shard"] > 1),
+    Knob("parallel.moe_tp", ("whole", "ep"), lambda row: _moe(row) and _tp(row)),
     Knob("parallel.ep", (1, 2), lambda row: _moe(row) and row["parallel.dp_shard"] > 1),
-    Knob("parallel.ep_comm_dtype", ("float32", "bfloat16", "float8_e4m3fn"), _ep),
+    Knob("parallel.ep_comm_dtype", ("float32", "bfloat16", "float8_e4m3fn"), experts_split),
     Knob("parallel.pp", (1, 2)),
     Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe"), _pp),
     Knob(
@@ -87,7 +91,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "parallel.overlap.pp", (True, False), lambda row: _pp(row) and row["parallel.pp_schedule"] != "gpipe"
     ),
-    Knob("parallel.overlap.ep", (True, False), _ep),
+    Knob("parallel.overlap.ep", (True, False), experts_split),
+    Knob("parallel.overlap.cp", (True, False), lambda row: row["parallel.cp"] > 1),
     Knob("model.block", ("serial", "parallel")),
     Knob("model.norm", ("rmsnorm", "layernorm")),
     Knob("model.mlp", ("swiglu", "gelu")),
@@ -124,7 +129,27 @@ _SAME_NUMBER = "a number of the job: every layout computes the same function of 
 _DATA = "which data: every layout reads the same sequences of it"
 _OUTSIDE = "outside the step: logging, paths, timing or supervision"
 _RESILIENCE = "the driver's supervision of the job (docs/resilience.md), not the step"
+_ROPE_TABLE = (
+    "the RoPE tables' values: every rank builds the same tables for whole sequences, which every layout's "
+    "attention applies alike (a knob once the sequence itself is split, with context parallelism)"
+)
 NEUTRAL: dict[str, str] = {
+    **{
+        f"model.attention.rope_scaling.{name}": _ROPE_TABLE
+        for name in (
+            "type",
+            "factor",
+            "original_max_seq_len",
+            "low_freq_factor",
+            "high_freq_factor",
+            "beta_fast",
+            "beta_slow",
+            "truncate",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+        )
+    },
     **dict.fromkeys(
         [
             "model.dim",
@@ -466,11 +491,19 @@ _PREREQUISITES: dict[str, dict[str, Any]] = {
     "parallel.overlap.pp": {"parallel.pp": 2},
     "parallel.sequence_parallel": {"parallel.tp": 2},
     "parallel.overlap.tp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    "parallel.cp": {"parallel.dp_shard": 2},
+    "parallel.overlap.cp": {"parallel.dp_shard": 2, "parallel.cp": 2},
+    "parallel.moe_tp": {"model.moe.experts": 4, "parallel.tp": 2},
     "parallel.ep": {"model.moe.experts": 4, "parallel.dp_shard": 2},
     "parallel.ep_comm_dtype": {"model.moe.experts": 4, "parallel.dp_shard": 2, "parallel.ep": 2},
     "parallel.overlap.ep": {"model.moe.experts": 4, "parallel.dp_shard": 2, "parallel.ep": 2},
 }
 _MOE = {"model.moe.experts": 4}  # what every MoE knob but the expert count needs
+
+
+def prerequisites(key: str) -> set[str]:
+    """The knobs `key` needs set to make a difference (parallel.cp needs parallel.dp_shard > 1)."""
+    return set(_PREREQUISITES.get(key, _MOE if key.startswith("model.moe.") else {}))
 
 
 def _activate(row: Row, key: str, rng: random.Random) -> None:

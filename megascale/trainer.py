@@ -213,7 +213,7 @@ class Trainer(Stateful):
             rank=self.rank,
             coordinates=dims.coordinates(),
             stage_of_rank=dims.stage_of_ranks(),
-            ep_of_rank=dims.ep_of_ranks() if dims.ep > 1 else [],
+            ep_of_rank=dims.ep_of_ranks() if dims.expert_ranks > 1 else [],
             device=self.device,
             start_step=self.step,
             world_size=dims.world_size,
@@ -226,7 +226,7 @@ class Trainer(Stateful):
         self._rank_compute_s: list[float] = []  # every rank's compute in the last step (from the all-reduce)
         self._rank_expert_slots: list[float] = []  # every rank's expert load in it (expert parallelism)
         # The global ranks of this rank's expert-parallel group, in ep order: where its tokens' slots go.
-        self._ep_group = dims.expert_mesh()["ep"].mesh.tolist() if dims.ep > 1 else []
+        self._ep_group = dims.expert_mesh()["ep"].mesh.tolist() if dims.expert_ranks > 1 else []
 
     @property
     def timeline(self) -> Timeline:
@@ -445,8 +445,9 @@ class Trainer(Stateful):
         compute_s: float | None = None,
         expert_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The job-wide mean of a per-data-parallel-rank value held on the last stage (and the same on
-        every tensor-parallel rank): one all-reduce over all ranks, every rank getting the result.
+        """The job-wide mean of a value of each data-parallel rank (of each slice of its sequences, under
+        context parallelism) held on the last stage (and the same on every tensor-parallel rank): one
+        all-reduce over all ranks, every rank getting the result.
 
         With `agree_on_stop`, whether any rank has been asked to stop travels in the same all-reduce and
         sets `_stop_agreed` alike on every rank: a signal that lands on one rank just after the all-reduce
@@ -461,10 +462,10 @@ class Trainer(Stateful):
             if compute_s is not None:
                 self._rank_compute_s = [compute_s]
             return local
+        # One value per batch and slice of its sequences (cp), each the mean over its tokens.
         holds = self.model.last_stage and self.parallel_dims.local_rank("tp") == 0
-        share = (
-            local.detach().float() / self.parallel_dims.dp if holds else torch.zeros((), device=self.device)
-        )
+        holders = self.parallel_dims.dp * self.parallel_dims.cp
+        share = local.detach().float() / holders if holds else torch.zeros((), device=self.device)
         slots = torch.zeros(self.parallel_dims.world_size if compute_s is not None else 0, device=self.device)
         if compute_s is not None:
             slots[self.rank] = compute_s

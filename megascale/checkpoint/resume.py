@@ -16,11 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.manifest import list_checkpoints, read_manifest
-from megascale.config import JobConfig, flatten_keys, to_dict
+from megascale.config import JobConfig, RopeScalingConfig, flatten_keys, to_dict
 from megascale.errors import CheckpointError, ConfigError
 
-# Model fields that may change between a checkpoint and the run resuming from it: they change no tensor.
-RESUMABLE_MODEL_CHANGES = {"init_std", "norm_eps", "max_seq_len", "attention.window", "attention.rope_theta"}
+# Model fields that may change between a checkpoint and the run resuming from it: they change no tensor
+# (the RoPE fields are how a long-context phase continues a run, docs/models.md).
+RESUMABLE_MODEL_CHANGES = {
+    "init_std",
+    "norm_eps",
+    "max_seq_len",
+    "attention.window",
+    "attention.rope_theta",
+    *(f"attention.rope_scaling.{field.name}" for field in dataclasses.fields(RopeScalingConfig)),
+}
 # Fields (or sections) whose change on resume changes the run's course from the resumed step on: said in
 # the log. Layout, logging and supervision fields are not among them.
 REPORTED_CHANGES = (
@@ -55,8 +63,10 @@ def check_model_matches(checkpoint: str, descriptor: dict[str, Any], model_cfg: 
     """Refuse a checkpoint written for a model of another shape, naming the first differing field."""
     saved = flatten_keys(descriptor.get("config", {}).get("model", {}))
     current = flatten_keys(dataclasses.asdict(model_cfg))
+    learned = current.get("position") == "learned"  # its table has max_seq_len rows
     for key, value in current.items():
-        if key in RESUMABLE_MODEL_CHANGES or saved.get(key, value) == value:
+        resumable = key in RESUMABLE_MODEL_CHANGES and not (key == "max_seq_len" and learned)
+        if resumable or saved.get(key, value) == value:
             continue
         raise CheckpointError(
             f"checkpoint: {checkpoint} was written for model.{key} = {saved[key]!r}, but "

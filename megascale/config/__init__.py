@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale import options
-from megascale.config.model import AttentionConfig, ModelConfig, MoEConfig, head_dim_of
+from megascale.config.model import AttentionConfig, ModelConfig, MoEConfig, RopeScalingConfig, head_dim_of
 from megascale.config.parallel import OverlapConfig, ParallelConfig
 from megascale.config.resilience import ResilienceConfig
 from megascale.config.run import CheckpointConfig, DataConfig, MetricsConfig, OptimConfig, TrainingConfig
@@ -44,6 +44,7 @@ __all__ = [
     "OverlapConfig",
     "ParallelConfig",
     "ResilienceConfig",
+    "RopeScalingConfig",
     "TrainingConfig",
     "all_keys",
     "fail",
@@ -95,6 +96,21 @@ class JobConfig:
                 a.head_dim or a.n_heads,
                 f"gives an odd head size {head_dim_of(m)}; RoPE needs an even one",
             )
+        scaling = a.rope_scaling
+        if scaling.type in ("yarn", "llama3") and scaling.original_max_seq_len is None:
+            fail(
+                "model.attention.rope_scaling.original_max_seq_len",
+                None,
+                f"must be set for rope_scaling.type = {scaling.type!r} (the pre-training context length)",
+            )
+        if scaling.type == "llama3" and scaling.high_freq_factor <= scaling.low_freq_factor:
+            fail(
+                "model.attention.rope_scaling.high_freq_factor",
+                scaling.high_freq_factor,
+                f"must exceed rope_scaling.low_freq_factor = {scaling.low_freq_factor}",
+            )
+        if scaling.type != "none" and m.position != "rope":
+            fail("model.attention.rope_scaling.type", scaling.type, "needs model.position = 'rope'")
         moe = m.moe
         if moe.experts and moe.top_k > moe.experts:
             fail("model.moe.top_k", moe.top_k, f"exceeds model.moe.experts = {moe.experts}")

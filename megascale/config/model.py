@@ -8,6 +8,42 @@ from megascale.options import option, section
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE scaling for a context longer than pre-training's, as Hugging Face's rope_parameters define it."""
+
+    type: str = option(
+        "none",
+        "'none': plain RoPE; 'linear': every frequency divided by factor (position interpolation); "
+        "'dynamic': NTK-aware, which changes nothing within model.max_seq_len (Hugging Face applies it past "
+        "max_position_embeddings, at inference; kept for export); 'yarn': frequencies blended between "
+        "interpolated and original by rotations over original_max_seq_len, cos/sin times attention_factor; "
+        "'llama3': Llama 3.1's, long wavelengths divided by factor, short ones kept, a ramp between.",
+        choices=("none", "linear", "dynamic", "yarn", "llama3"),
+    )
+    factor: float = option(1.0, "How many times longer the context is than original_max_seq_len.", gt=0)
+    original_max_seq_len: int | None = option(
+        None, "The pre-training context length ('yarn', 'llama3': required).", ge=1
+    )
+    low_freq_factor: float = option(
+        1.0, "'llama3': wavelengths over original_max_seq_len / this are divided by factor.", gt=0
+    )
+    high_freq_factor: float = option(
+        4.0, "'llama3': wavelengths under original_max_seq_len / this are kept as they are.", gt=0
+    )
+    beta_fast: float = option(32.0, "'yarn': rotations above which a frequency is kept as it is.", gt=0)
+    beta_slow: float = option(1.0, "'yarn': rotations below which a frequency is interpolated.", gt=0)
+    truncate: bool = option(True, "'yarn': round the blended range of frequencies outward to whole ones.")
+    attention_factor: float | None = option(
+        None,
+        "'yarn': cos/sin are multiplied by this; unset: 0.1 ln(factor) + 1, or with mscale and "
+        "mscale_all_dim the ratio of that formula with each (DeepSeek).",
+        gt=0,
+    )
+    mscale: float | None = option(None, "'yarn': see attention_factor.", gt=0)
+    mscale_all_dim: float | None = option(None, "'yarn': see attention_factor.", gt=0)
+
+
+@dataclass
 class AttentionConfig:
     """Attention: heads, grouped-query key/value heads, positions and the sliding window."""
 
@@ -32,6 +68,7 @@ class AttentionConfig:
         False,
         "RMSNorm over each head's queries and keys before RoPE (Qwen3); its gain is shared by the heads.",
     )
+    rope_scaling: RopeScalingConfig = section(RopeScalingConfig)
 
 
 @dataclass

@@ -30,6 +30,11 @@ class OverlapConfig:
         "forward and backward (MegaScale-MoE's overlap of the all-to-all with the experts' GEMMs); off: "
         "one synchronous dispatch and combine.",
     )
+    cp: bool = option(
+        True,
+        "Context parallelism: each ring step's keys and values are sent to the next rank while the current "
+        "step's attention blocks are computed; off: sent and waited for between the steps.",
+    )
     pp: bool = option(
         True,
         "Pipeline parallelism (1F1B schedules): every receive posted as soon as its sender schedules it and "
@@ -61,6 +66,15 @@ class ParallelConfig:
         "model.moe.experts. The experts' weights are sharded by FSDP over the remaining dp_shard / ep.",
         ge=1,
     )
+    moe_tp: str = option(
+        "whole",
+        "How an MoE layer uses the tensor-parallel ranks (tp > 1): 'whole' computes the layer whole on "
+        "every tp rank, on the whole sequence; 'ep' makes them expert-parallel ranks for it "
+        "(MegaScale-MoE's layout): each routes its own 1/tp of the sequence and the routed experts are "
+        "split over ep x tp ranks (must divide model.moe.experts), so no tp rank repeats another's work. "
+        "Routing, capacity and the balancing loss still count whole sequences.",
+        choices=("whole", "ep"),
+    )
     ep_comm_dtype: str = option(
         "float32",
         "Precision of the expert-parallel all-to-all payload, tokens and expert outputs forward and their "
@@ -69,6 +83,15 @@ class ParallelConfig:
         "channels of a row: each block scaled by its largest magnitude to e4m3's range, cast to fp8, and "
         "dequantized on arrival, so sums stay in the compute dtype).",
         choices=("float32", "bfloat16", "float8_e4m3fn"),
+    )
+    cp: int = option(
+        1,
+        "Context-parallel degree: every sequence is split over cp of the dp_shard ranks, which read the "
+        "same batch; each holds 2 chunks of it (one from the front, its mirror from the back, so that "
+        "causal attention's work is even) and attention passes keys and values around their ring. Must "
+        "divide dp_shard; data.seq_len must divide by 2 x cp. Parameters stay FSDP-sharded over all "
+        "dp_shard ranks.",
+        ge=1,
     )
     pp: int = option(1, "Pipeline-parallel stages.", ge=1)
     sequence_parallel: bool = option(

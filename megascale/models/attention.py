@@ -16,6 +16,19 @@ import torch.nn.functional as F
 _MIN_BLOCK = 64  # below this, per-block overhead dominates the batched SDPA call
 
 
+class WholeSequenceAttention:
+    """An attention layer's core as it sees its input: whole sequences, positions 0..seq-1, attended here. A
+    layer given a slice of each sequence gets an object with the same methods that knows the slice's
+    positions and attends across the slices (context parallelism, parallel/context.py)."""
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """The global positions of the `seq` tokens the layer holds; None for 0..seq-1."""
+        return None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        return causal_attention(q, k, v, window)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
     """Attention of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads, seq, head_dim].
 

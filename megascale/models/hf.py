@@ -11,9 +11,12 @@ layout Mixtral checkpoints are stored in). With QK-norm (`model.attention.qk_nor
 (`mlp_only_layers`) and leave the chosen scores unnormalised (`norm_topk_prob`); its experts are stored as
 gate_proj/up_proj/down_proj. Only `safetensors` and `json` are needed; `transformers` itself is optional.
 
+RoPE scaling (`model.attention.rope_scaling`: linear, dynamic, YaRN, Llama 3.1's) is written as
+`rope_parameters` (transformers >= 5) and `rope_scaling` (earlier), and read from either.
+
 Fields with no Hugging Face counterpart (the parallel block, GeLU, LayerNorm, learned positions, the
-sliding window) cannot be exported, and configs using features megascale lacks (biases, RoPE scaling)
-cannot be imported: both raise a `ConfigError`.
+sliding window) cannot be exported, and configs using features megascale lacks (biases, partial rotary
+embeddings, other RoPE scalings) cannot be imported: both raise a `ConfigError`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from megascale.config import AttentionConfig, ModelConfig, MoEConfig, head_dim_of
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig, RopeScalingConfig, head_dim_of
 from megascale.errors import CheckpointError, ConfigError
 from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.moe import expert_dim_of
@@ -163,9 +166,10 @@ def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers < 5 reads the top-level rope_theta, transformers >= 5 reads rope_parameters.
+        # transformers < 5 reads the top-level rope_theta and rope_scaling, >= 5 reads rope_parameters.
         "rope_theta": rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_parameters": {**_rope_scaling_fields(cfg), "rope_theta": rope_theta},
+        **({"rope_scaling": _rope_scaling_fields(cfg)} if cfg.attention.rope_scaling.type != "none" else {}),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "hidden_act": "silu",
@@ -179,21 +183,62 @@ def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _rope_theta_of(hf: dict[str, Any]) -> float:
-    """rope_theta from either layout, refusing any RoPE scaling (megascale implements plain RoPE only)."""
-    if hf.get("rope_scaling") is not None:
-        raise ConfigError(
-            f"convert: config.json rope_scaling = {hf['rope_scaling']!r} is not supported; "
-            "megascale implements plain RoPE only (rope_scaling null)"
-        )
-    params = hf.get("rope_parameters") or {}
+# Hugging Face's RoPE parameter -> RopeScalingConfig's field, for each scaling type that uses it.
+_ROPE_FIELDS = {
+    "factor": ("factor", ("linear", "dynamic", "yarn", "llama3")),
+    "original_max_position_embeddings": ("original_max_seq_len", ("yarn", "llama3")),
+    "low_freq_factor": ("low_freq_factor", ("llama3",)),
+    "high_freq_factor": ("high_freq_factor", ("llama3",)),
+    "beta_fast": ("beta_fast", ("yarn",)),
+    "beta_slow": ("beta_slow", ("yarn",)),
+    "truncate": ("truncate", ("yarn",)),
+    "attention_factor": ("attention_factor", ("yarn",)),
+    "mscale": ("mscale", ("yarn",)),
+    "mscale_all_dim": ("mscale_all_dim", ("yarn",)),
+}
+
+
+def _rope_scaling_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The RoPE scaling as Hugging Face's rope_parameters name it (without rope_theta): the type and the
+    fields it reads, those left unset omitted."""
+    scaling = cfg.attention.rope_scaling
+    kind = "default" if scaling.type == "none" else scaling.type
+    fields = {
+        name: getattr(scaling, ours)
+        for name, (ours, kinds) in _ROPE_FIELDS.items()
+        if kind in kinds and getattr(scaling, ours) is not None
+    }
+    return {"rope_type": kind, **fields}
+
+
+def _rope_of(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig]:
+    """rope_theta and the RoPE scaling, from rope_parameters (transformers >= 5) or rope_theta and
+    rope_scaling (earlier); scalings megascale lacks are refused."""
+    params = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    supported = ("default", "linear", "dynamic", "yarn", "llama3")
+    if rope_type not in supported:
         raise ConfigError(
-            f"convert: config.json rope_parameters.rope_type = {rope_type!r} is not "
-            "supported; megascale implements plain RoPE only ('default')"
+            f"convert: config.json RoPE type {rope_type!r} is not supported; megascale implements "
+            f"{', '.join(supported)}"
         )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConfigError(
+            f"convert: config.json partial_rotary_factor = {partial!r} is not supported; megascale rotates "
+            "every channel of a head (1.0)"
+        )
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, RopeScalingConfig()
+    fields = {
+        ours: params[name]
+        for name, (ours, kinds) in _ROPE_FIELDS.items()
+        if rope_type in kinds and params.get(name) is not None
+    }
+    if rope_type == "yarn" and "factor" not in fields:  # DeepSeek-V3's way: the lengths' ratio
+        fields["factor"] = hf["max_position_embeddings"] / fields["original_max_seq_len"]
+    return theta, RopeScalingConfig(type=rope_type, **fields)
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -226,6 +271,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             "megascale's SwiGLU needs 'silu'"
         )
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    rope_theta, rope_scaling = _rope_of(hf)
     head_dim = hf.get("head_dim") or dim // n_heads
     cfg = ModelConfig(
         dim=dim,
@@ -239,7 +285,8 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             window=None,
-            rope_theta=_rope_theta_of(hf),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             head_dim=None if head_dim * n_heads == dim else head_dim,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
         ),

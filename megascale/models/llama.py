@@ -7,7 +7,8 @@ from outside by megascale.parallel. Layers sit in a ModuleDict keyed by index so
 drop the ones it does not own and keep checkpoint names stable; embedding, norm and output may be None
 on stages that do not hold them.
 
-RoPE uses the rotate-half layout of Hugging Face's Llama, so weights convert without permutation.
+RoPE uses the rotate-half layout of Hugging Face's Llama, so weights convert without permutation, and its
+context-extension scalings (models/rope.py).
 """
 
 from __future__ import annotations
@@ -18,32 +19,16 @@ import torch
 from torch import nn
 
 from megascale.config import ModelConfig, head_dim_of
-from megascale.models.attention import causal_attention
+from megascale.models.attention import WholeSequenceAttention
 from megascale.models.feed_forward import FeedForward
 from megascale.models.moe import MoE
+from megascale.models.rope import apply_rope, rope_tables
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
-
-
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin, each [seq_len, head_dim], in rotate-half layout (each frequency twice).
-
-    The sine's first half is negated so that rotate_half(x) * sin == roll(x, half) * signed_sin: one roll
-    instead of two slices, a negation and a concatenation, with bit-identical results.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, heads, seq, head_dim] by position; tables from `rope_tables`."""
-    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -55,6 +40,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.attention.n_kv_heads
         self.head_dim = head_dim_of(cfg)
         self.window = cfg.attention.window
+        self.core: WholeSequenceAttention = WholeSequenceAttention()  # what attends (context parallelism)
         # Qwen3's QK-norm: each head's queries and keys normalised (one gain over head_dim) before RoPE.
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
@@ -83,11 +69,14 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            # The tables cover max_seq_len; slice here, where the whole sequence is present (the residual
-            # stream around this module may be sequence-sharded).
-            cos, signed_sin = rope[0][:seq], rope[1][:seq]
+            # The tables cover max_seq_len; slice here, where the whole sequence (or this rank's slice of
+            # it, under context parallelism) is present: the residual stream around this module may be
+            # sequence-sharded.
+            positions = self.core.positions(seq, q.device)
+            where = slice(seq) if positions is None else positions
+            cos, signed_sin = rope[0][where], rope[1][where]
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
-        out = causal_attention(q, k, v, self.window)
+        out = self.core.attend(q, k, v, self.window)
         return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
@@ -127,7 +116,10 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(head_dim_of(cfg), cfg.max_seq_len, cfg.attention.rope_theta)
+            attention = cfg.attention
+            cos, sin = rope_tables(
+                head_dim_of(cfg), cfg.max_seq_len, attention.rope_theta, attention.rope_scaling
+            )
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()

@@ -19,6 +19,11 @@ by default; with `capacity_factor`, an expert takes at most ceil(factor * seq_le
 of each sequence (GShard's capacity, one group per sequence, so that what is dropped does not depend on
 how sequences are batched), in token order, and the rest are dropped (their output is zero: the residual
 carries them).
+
+The layer may be given only a part of each sequence (its `sequences`, `WholeSequences` by default): the
+tensor-parallel ranks each route their own part when the experts are split over them. The per-sequence
+counts behind capacity and the balancing loss then come from all parts, so what is dropped and the loss
+are those of whole sequences; the parallel code supplies how the counts are exchanged.
 """
 
 from __future__ import annotations
@@ -73,6 +78,21 @@ class AuxLoss(torch.autograd.Function):
 def expert_dim_of(cfg: ModelConfig) -> int:
     """Each expert's hidden size: model.moe.expert_dim, else the dense layer's."""
     return cfg.moe.expert_dim if cfg.moe.expert_dim is not None else ffn_dim_of(cfg)
+
+
+class WholeSequences:
+    """The layer's input holds whole sequences: each count over a sequence's tokens is already complete.
+    A layer given a part of each sequence gets an object with the same methods that exchanges them."""
+
+    parts = 1  # parts each sequence is cut into
+
+    def total(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` over this part of each sequence -> over the whole sequences (no gradient)."""
+        return counts
+
+    def before(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` over this part of each sequence -> over the parts before it, in token order."""
+        return torch.zeros_like(counts)
 
 
 class Router(nn.Module):
@@ -158,6 +178,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = moe.experts, moe.top_k
         self.capacity_factor, self.aux_loss_coeff = moe.capacity_factor, moe.aux_loss_coeff
         self.bias_update_rate = moe.bias_update_rate
+        self.sequences = WholeSequences()
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg, moe.experts)
         self.shared = (
@@ -191,10 +212,10 @@ class MoE(nn.Module):
                 self.load += routed_counts.to(self.load.dtype)
                 self.dropped += slots.numel() - order.numel()
         if self.aux_loss_coeff and torch.is_grad_enabled():  # the recomputation builds the same graph
-            loss = self.balance_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1))
+            loss, value = self.balance_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1))
             if torch._C._current_graph_task_id() == -1:
                 with torch.no_grad():
-                    self.balance += torch.stack([loss.detach(), torch.ones_like(loss)])
+                    self.balance += torch.stack([value, torch.ones_like(value)])
             output = AuxLoss.apply(output, loss, self.aux_loss_coeff * _aux_loss_scale)
         return output
 
@@ -205,28 +226,43 @@ class MoE(nn.Module):
         them when dropless, else each expert's first `capacity` slots of each sequence, in token order."""
         if self.capacity_factor is None:
             return order, counts
-        capacity = math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
-        # Sorted by expert in token order, each (expert, sequence) pair's slots are one run.
+        whole = seq_len * self.sequences.parts
+        capacity = math.ceil(self.capacity_factor * whole * self.top_k / self.num_experts)
+        # Sorted by expert in token order, each (expert, sequence) pair's slots are one run, after the
+        # run's slots in the sequence's earlier parts.
         per_sequence = seq_len * self.top_k
         sequences = order.numel() // per_sequence
         runs = experts * sequences + order // per_sequence
         run_sizes = torch.bincount(runs, minlength=self.num_experts * sequences)
-        starts = run_sizes.cumsum(0) - run_sizes
+        starts = run_sizes.cumsum(0) - run_sizes - self.sequences.before(run_sizes)
         keep = torch.arange(order.numel(), device=order.device) - starts[runs] < capacity
         kept = order[keep]
         return kept, torch.bincount(experts[keep], minlength=self.num_experts)
 
-    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Switch Transformer's E * sum_i f_i * P_i per sequence, averaged over the sequences: f_i the
         share of the sequence's token slots routed to expert i, P_i its mean score over the sequence
-        (sigmoid scores normalised per token first). scores [batch, seq, experts], chosen [batch, seq, k]."""
+        (sigmoid scores normalised per token first). scores [batch, seq, experts], chosen [batch, seq, k]
+        of this part of each sequence -> (this part's terms of the loss, whose gradient is this part's
+        scores' share of the whole loss's; the whole loss's value, no gradient). Of whole sequences,
+        both are the loss."""
         if self.router.score == "sigmoid":
             scores = scores / scores.sum(dim=-1, keepdim=True)
         batch, seq, k = chosen.shape
         counts = scores.new_zeros(batch, self.num_experts)
         counts.scatter_add_(1, chosen.reshape(batch, seq * k), scores.new_ones(batch, seq * k))
-        share = counts / (seq * k)
-        return self.num_experts * (share * scores.mean(dim=1)).sum(dim=1).mean()
+        summed = scores.sum(dim=1)
+        if self.sequences.parts == 1:
+            loss = self.num_experts * (counts / (seq * k) * summed / seq).sum(dim=1).mean()
+            return loss, loss.detach()
+        whole = seq * self.sequences.parts
+        counts, summed_whole = self.sequences.total(torch.cat([counts, summed.detach()], 1)).split(
+            self.num_experts, 1
+        )
+        share = counts / (whole * k)
+        loss = self.num_experts * (share * summed / whole).sum(dim=1).mean()
+        value = self.num_experts * (share * summed_whole / whole).sum(dim=1).mean()
+        return loss, value
 
     @torch.no_grad()
     def update_bias(self) -> None:

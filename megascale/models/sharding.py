@@ -13,6 +13,12 @@ megascale.parallel turns these words into DTensor styles; the model code itself 
 - "whole_sequence": a module whose input is the residual stream and which every rank computes whole, on
   the whole sequence, with its weights unsplit (an MoE layer: its routing statistics and capacity are per
   sequence); its output is cut back to the rank's part of the residual stream.
+- "own_tokens": a module each rank computes on its own part of the sequence (an MoE layer whose experts
+  are split over the ranks: it sends each token slot to its expert's rank itself); its input is the rank's
+  part of the residual stream, cut from the whole one where the stream is not sharded, and so is its
+  output. Its routing statistics and capacity still count whole sequences (the layer is told so).
+- "replicated": a module with its own weights (no submodule's) whole on every rank, each computing its
+  own tokens; their gradients are summed over the ranks.
 - "colwise" / "rowwise": a linear layer split by output features / by input features (Megatron).
 """
 
@@ -43,6 +49,16 @@ BLOCK_PLAN = {
 ROUTED_BLOCK_PLAN = {
     **{name: word for name, word in BLOCK_PLAN.items() if not name.startswith("feed_forward")},
     "feed_forward": "whole_sequence",
+}
+
+# The same, with the MoE layer's experts split over the tensor-parallel ranks (parallel.moe_tp = "ep").
+ROUTED_OWN_TOKENS_BLOCK_PLAN = {
+    **ROUTED_BLOCK_PLAN,
+    "feed_forward": "own_tokens",
+    "feed_forward.router.gate": "replicated",
+    "feed_forward.shared.w1": "replicated",
+    "feed_forward.shared.w3": "replicated",
+    "feed_forward.shared.w2": "replicated",
 }
 
 # Top-level modules only the first pipeline stage holds, and those only the last one holds.

@@ -15,7 +15,9 @@ size around the original call:
   per operation, about half of all the recording costs). The wait itself is a span on the `wait` track:
   the exposed part;
 - `isend`, `irecv` and `batch_isend_irecv` (pipeline p2p) are spans of their issue; waiting for their
-  works counts as pipeline bubble, not communication (the peer stage was still computing);
+  works counts as pipeline bubble, not communication (the peer stage was still computing), except on
+  context parallelism's ring (its group `mesh_cp`), whose peers send as soon as they can: there a wait is
+  for the transfer, communication;
 - functional collectives (DTensor's tensor parallelism) are spans of their issue; the result is waited
   for when first used, through `funcol.wait_tensor` (wrapped too), and that wait is a span on the `wait`
   track like any other.
@@ -102,6 +104,11 @@ def communication_state(thread: int) -> dict[str, Any]:
     """Every group's progress, and what `thread` is blocked in: what a rank dumps when the job hangs."""
     groups = [dataclasses.asdict(group) for group in list(_groups.values())]
     return {"groups": groups, "waiting": _waiting.get(thread)}
+
+
+# Groups whose point-to-point transfers are communication, not a pipeline's hand-offs: context
+# parallelism's ring (ParallelDims names each mesh dimension's group `mesh_<dimension>`).
+RING_GROUPS = ("mesh_cp",)
 
 
 def _group(group: Any) -> _Group:
@@ -246,7 +253,7 @@ def _wrap_p2p(kind: str, original: Any) -> Any:
             return original(*args, **kwargs)
         group, tensor = read(args, kwargs)
         info, record = _describe(kind, group, _nbytes(tensor))
-        info["p2p"] = True
+        info["p2p"] = info["group"] not in RING_GROUPS
         start = time.perf_counter_ns()
         work = original(*args, **kwargs)
         timeline.add_in_lane(kind, f"comm {info['group']}", start, time.perf_counter_ns(), info)

@@ -34,25 +34,34 @@ def apply_fsdp(
     zero_stage: int,
     overlap: bool = False,
     reductions: GradientReductions | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard `model` in place over `dp_mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). Collective over
     the data-parallel group; apply after tensor parallelism, on identical models. With `reductions` (a
-    1-D mesh only) the gradient reduce-scatters are asynchronous, waited for by `reductions.wait()`."""
+    1-D mesh only) the gradient reduce-scatters are asynchronous, waited for by `reductions.wait()`.
+    `ignored` parameters are left as they are (held whole by the ranks that own them)."""
     reshard_after_forward = zero_stage == 3
     units = list(model.get_submodule(blocks).children())
     for index, block in enumerate(units):
         # The last block's backward runs first: resharding it after forward would only gather it again.
         last = index == len(units) - 1
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and not last)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard_after_forward and not last,
+            ignored_params=ignored,
+        )
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     if overlap:
         prefetch_one_unit_ahead(cast(FSDPModule, model), cast(list[FSDPModule], units))
     if reductions is not None:
         if dp_mesh.ndim != 1:
             raise ValueError("asynchronous gradient reduce-scatters: HSDP's all-reduce reads them at once")
-        blocks_params = {id(param) for unit in units for param in unit.parameters()}
+        skipped = {id(param) for param in ignored or ()}
+        blocks_params = {id(param) for unit in units for param in unit.parameters()} | skipped
         root_params = [param for param in model.parameters() if id(param) not in blocks_params]
-        for unit, params in [*((unit, list(unit.parameters())) for unit in units), (model, root_params)]:
+        unit_params = [[param for param in unit.parameters() if id(param) not in skipped] for unit in units]
+        for unit, params in [*zip(units, unit_params), (model, root_params)]:
             cast(FSDPModule, unit).set_custom_reduce_scatter(AsyncReduceScatter(params, reductions))
 
 

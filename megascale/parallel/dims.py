@@ -54,9 +54,12 @@ class ParallelDims:
     dp_shard: int
     tp: int
     ep: int = 1
+    cp: int = 1
+    moe_tp: str = "whole"
     rank_order: str = "tp-dp-pp"
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _context_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -74,6 +77,8 @@ class ParallelDims:
             dp_shard=dp_shard,
             tp=par.tp,
             ep=par.ep,
+            cp=par.cp,
+            moe_tp=par.moe_tp if cfg.model.moe.experts else "whole",  # a dense model has no experts
             rank_order=par.rank_order,
         )
         dims.validate(cfg, world_size)
@@ -85,14 +90,35 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: how many distinct batches one step reads."""
+        """Data-parallel degree: how many distinct batches one step reads (the cp ranks of a dp_shard
+        group share one)."""
+        return self.dp_replicate * self.dp_shard // self.cp
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks holding the same layers, sharding them (FSDP) or replicating them: the data- and
+        context-parallel ranks."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def experts_over_tp(self) -> bool:
+        """The MoE layers' experts are split over the tp ranks too (parallel.moe_tp = 'ep')."""
+        return self.moe_tp == "ep" and self.tp > 1
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks an MoE layer's routed experts are split over: ep dp_shard ranks, times tp with
+        parallel.moe_tp = 'ep'."""
+        return self.ep * (self.tp if self.experts_over_tp else 1)
 
     def describe(self) -> str:
         """The layout in one phrase, e.g. 'pp 2 x dp 1x2 x tp 2 = 8 processes'."""
         if self.world_size == 1:
             return "1 process"
-        experts = f" (experts over ep {self.ep})" if self.ep > 1 else ""
+        experts = f" (sequence over cp {self.cp})" if self.cp > 1 else ""
+        experts += f" (experts over ep {self.ep})" if self.ep > 1 else ""
+        if self.experts_over_tp:
+            experts = f" (experts over {f'ep {self.ep} x ' if self.ep > 1 else ''}tp {self.tp})"
         return (
             f"pp {self.pp} x dp {self.dp_replicate}x{self.dp_shard}{experts} x tp {self.tp} = "
             f"{self.world_size} processes"
@@ -108,6 +134,7 @@ class ParallelDims:
             )
         self._validate_tensor_parallel(cfg)
         self._validate_expert_parallel(cfg)
+        self._validate_context_parallel(cfg)
         self._validate_pipeline(cfg)
         self._validate_batch(cfg)
 
@@ -153,10 +180,18 @@ class ParallelDims:
             )
 
     def _validate_expert_parallel(self, cfg: JobConfig) -> None:
-        """Expert parallelism splits an MoE model's experts over a slice of the dp_shard ranks."""
-        if self.ep == 1:
-            return
+        """Expert parallelism splits an MoE model's experts over a slice of the dp_shard ranks (and over
+        the tp ranks with parallel.moe_tp = 'ep')."""
         experts = cfg.model.moe.experts
+        if self.experts_over_tp and cfg.data.seq_len % self.tp:
+            fail(
+                "data.seq_len",
+                cfg.data.seq_len,
+                f"is not divisible by parallel.tp = {self.tp} (parallel.moe_tp = 'ep' routes each tp "
+                "rank's part of the sequence)",
+            )
+        if self.expert_ranks == 1:
+            return
         if not experts:
             fail("parallel.ep", self.ep, "needs an MoE model (model.moe.experts > 0); set --parallel.ep=1")
         if self.dp_shard % self.ep:
@@ -166,14 +201,50 @@ class ParallelDims:
                 f"does not divide parallel.dp_shard = {self.dp_shard} (the experts are split over dp_shard "
                 "ranks)",
             )
-        if experts % self.ep:
-            fail("model.moe.experts", experts, f"is not divisible by parallel.ep = {self.ep}")
+        over = f"parallel.ep = {self.ep}"
+        if self.experts_over_tp:
+            over = f"parallel.ep x tp = {self.expert_ranks}"
+        if experts % self.expert_ranks:
+            fail("model.moe.experts", experts, f"is not divisible by {over}")
         if cfg.parallel.activation_checkpoint == "selective":
             fail(
                 "parallel.activation_checkpoint",
                 "selective",
-                f"cannot be used with parallel.ep = {self.ep}: the experts' FSDP unit inside the block "
-                "runs other ops when recomputed than in the forward; use 'full' or 'none'",
+                f"cannot be used with {over}: the experts' FSDP unit inside the block runs other ops when "
+                "recomputed than in the forward; use 'full' or 'none'",
+            )
+
+    def _validate_context_parallel(self, cfg: JobConfig) -> None:
+        """Context parallelism splits every sequence over a slice of the dp_shard ranks."""
+        if self.cp == 1:
+            return
+        model = cfg.model
+        if self.dp_shard % self.cp:
+            fail(
+                "parallel.cp",
+                self.cp,
+                f"does not divide parallel.dp_shard = {self.dp_shard} (the sequence is split over dp_shard "
+                "ranks)",
+            )
+        if cfg.data.seq_len % (2 * self.cp):
+            fail(
+                "data.seq_len",
+                cfg.data.seq_len,
+                f"is not divisible by 2 x parallel.cp = {2 * self.cp} (each cp rank holds 2 equal chunks)",
+            )
+        if model.position != "rope":
+            fail(
+                "model.position",
+                model.position,
+                f"cannot be used with parallel.cp = {self.cp}: a learned position table is read by "
+                "contiguous position; use 'rope'",
+            )
+        if model.moe.experts:
+            fail(
+                "model.moe.experts",
+                model.moe.experts,
+                f"cannot be used with parallel.cp = {self.cp} yet: the MoE layer's per-sequence counts "
+                "are not exchanged over the cp ranks; set --parallel.cp=1",
             )
 
     def _validate_pipeline(self, cfg: JobConfig) -> None:
@@ -209,7 +280,8 @@ class ParallelDims:
             fail(
                 "training.global_batch_size",
                 training.global_batch_size,
-                f"is not divisible by the data-parallel degree {self.dp} (dp_replicate x dp_shard)",
+                f"is not divisible by the data-parallel degree {self.dp} (dp_replicate x dp_shard"
+                + (" / cp)" if self.cp > 1 else ")"),
             )
 
         def suggestion(fits) -> str:
@@ -272,17 +344,25 @@ class ParallelDims:
             self._mesh = self._mesh_of_own_groups(device_type, names, shape, timeout)
         else:
             self._mesh = self._torch_mesh(device_type, names, shape, timeout)
-        if self.ep > 1:
-            # This rank's dp_shard ranks as (edp, ep), ep innermost: an expert-parallel group is adjacent
-            # ranks (inside a node, where the all-to-all is cheapest); under HSDP, each replica's alike.
-            shard = (self.dp_shard // self.ep, self.ep)
-            if self.dp_replicate > 1:
-                ranks = self._mesh["dp_replicate", "dp_shard"].mesh.reshape(self.dp_replicate, *shard)
-                expert_names: tuple[str, ...] = ("dp_replicate", "edp", "ep")
-            else:
-                ranks, expert_names = self._mesh["dp_shard"].mesh.reshape(*shard), ("edp", "ep")
-            self._expert_mesh = self._mesh_of_own_groups(device_type, expert_names, ranks, timeout)
+        if self.expert_ranks > 1:
+            self._expert_mesh = self._mesh_of_own_groups(device_type, *self._expert_ranks(), timeout)
+        if self.cp > 1:
+            # This rank's dp_shard ranks as (batch, cp), cp innermost: a ring of adjacent ranks.
+            ranks = self.sub_mesh("dp_shard").mesh.reshape(self.dp_shard // self.cp, self.cp)
+            self._context_mesh = self._mesh_of_own_groups(device_type, ("batch", "cp"), ranks, timeout)
         return self._mesh
+
+    def _expert_ranks(self) -> tuple[tuple[str, ...], torch.Tensor]:
+        """The expert mesh's dimension names and ranks: this rank's dp_shard ranks as (edp, ep), ep
+        innermost, so an expert-parallel group is adjacent ranks (inside a node, where the all-to-all is
+        cheapest); with the experts over the tp ranks too, its ep dimension is (ep, tp), tp innermost;
+        under HSDP, each replica's alike."""
+        names = ("dp_replicate", "dp_shard", "tp") if self.experts_over_tp else ("dp_replicate", "dp_shard")
+        shape = (self.dp_replicate, self.dp_shard // self.ep, self.expert_ranks)
+        ranks = self.sub_mesh(*names).mesh.reshape(shape)
+        if self.dp_replicate > 1:
+            return ("dp_replicate", "edp", "ep"), ranks
+        return ("edp", "ep"), ranks[0]
 
     @staticmethod
     def _torch_mesh(
@@ -316,12 +396,23 @@ class ParallelDims:
         return mesh[names[0] if len(names) == 1 else names]
 
     def expert_mesh(self) -> DeviceMesh:
-        """The mesh (edp, ep) over this rank's dp_shard group, (dp_replicate, edp, ep) under HSDP: the
-        experts are split over 'ep' and their weights sharded by FSDP over 'edp' (and replicated over
-        'dp_replicate'); jobs with ep > 1 only."""
+        """The mesh (edp, ep) over this rank's dp_shard group (times its tp group with the experts over
+        the tp ranks), (dp_replicate, edp, ep) under HSDP: the experts are split over 'ep' and their
+        weights sharded by FSDP over 'edp' (and replicated over 'dp_replicate'); jobs with
+        `expert_ranks` > 1 only."""
         if self._expert_mesh is None:
             raise RuntimeError(f"ParallelDims.expert_mesh: no expert mesh for {self.describe()}")
         return self._expert_mesh
+
+    def context_group(self) -> dist.ProcessGroup:
+        """This rank's ring of cp ranks, which split the sequences of one batch; jobs with cp > 1 only."""
+        if self._context_mesh is None:
+            raise RuntimeError(f"ParallelDims.context_group: no context mesh for {self.describe()}")
+        return self._context_mesh["cp"].get_group()
+
+    def context_rank(self) -> int:
+        """This rank's index among its cp ranks: which chunks of each sequence it holds; 0 without cp."""
+        return self.local_rank("dp_shard") % self.cp if self.mesh is not None else 0
 
     @staticmethod
     def _mesh_of_own_groups(
@@ -374,7 +465,9 @@ class ParallelDims:
         """This rank's place in the layout: pipeline stage, data-parallel rank, tensor-parallel rank, and
         with expert parallelism its expert-parallel rank (which experts it holds)."""
         place = {"pp": self.local_rank("pp"), "dp": self.dp_rank(), "tp": self.local_rank("tp")}
-        if self.ep > 1:
+        if self.cp > 1:
+            place["cp"] = self.context_rank()
+        if self.expert_ranks > 1:
             place["ep"] = self.expert_mesh()["ep"].get_local_rank()
         return place
 
@@ -384,8 +477,12 @@ class ParallelDims:
 
     def ep_of_ranks(self) -> list[int]:
         """The expert-parallel rank of every global rank, indexed by rank: its dp_shard index modulo ep
-        (the dp_shard ranks are laid out as (edp, ep), ep innermost)."""
-        return [index % self.ep for index in self._index_of_ranks("dp_shard")]
+        (the dp_shard ranks are laid out as (edp, ep), ep innermost), with the experts over the tp ranks
+        too that times tp plus its tp index."""
+        ep_index = [index % self.ep for index in self._index_of_ranks("dp_shard")]
+        if not self.experts_over_tp:
+            return ep_index
+        return [ep * self.tp + tp for ep, tp in zip(ep_index, self._index_of_ranks("tp"))]
 
     def _index_of_ranks(self, name: str) -> list[int]:
         """Every global rank's index along the mesh dimension `name`, indexed by rank."""
@@ -399,8 +496,10 @@ class ParallelDims:
         return indices
 
     def dp_rank(self) -> int:
-        """This rank's index among the dp_replicate x dp_shard data-parallel ranks: which batch it reads."""
-        return self.local_rank("dp_replicate") * self.dp_shard + self.local_rank("dp_shard")
+        """Which of the step's dp batches this rank reads: its index among the dp_replicate x dp_shard
+        ranks, the cp ranks of one ring counting once."""
+        batches = self.dp_shard // self.cp
+        return self.local_rank("dp_replicate") * batches + self.local_rank("dp_shard") // self.cp
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP; replicas

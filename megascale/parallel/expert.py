@@ -17,7 +17,9 @@ dp_shard / ep ranks, in an FSDP unit of its own inside the block's. An expert's 
 the tokens of every ep rank (the all-to-all's backward brings them), so it is scaled by 1/ep before that
 unit's reduce-scatter averages it over edp: the mean over all data-parallel ranks' losses, as for every
 other gradient (FSDP2's gradient divide factor would do it in the reduce-scatter, but as a pre-multiplied
-sum, which gloo does not have).
+sum, which gloo does not have). With parallel.moe_tp = "ep" the ep dimension is ep x tp ranks, the tp
+ranks of one data-parallel rank each sending the slots of its own part of the sequence: the tokens of ep
+batches, so the scale stays 1/ep.
 
 Payload precision (`wire`, parallel.ep_comm_dtype): float32; bfloat16, a cast; or float8_e4m3fn,
 MegaScale-MoE's FP8 communication (§5), for the dispatch and the combine, forward and backward alike. An
@@ -218,6 +220,7 @@ class ExpertParallelExperts(GroupedExperts):
     other chunk's expert GEMMs run backward. The payload travels in `wire` precision."""
 
     ep_group: dist.ProcessGroup
+    data_ranks: int = 1  # data-parallel ranks whose batches the ep group's tokens are
     chunks: int = 1
     wire: torch.dtype | None = None
 
@@ -232,7 +235,7 @@ class ExpertParallelExperts(GroupedExperts):
         by_source = by_source.view(ranks, local)  # slots each rank sends to each of this rank's experts
         # Summed over every ep rank's tokens; FSDP then averages over edp: over all dp ranks in all.
         weights = [
-            _ScaleGradient.apply(local_shard(w), 1 / ranks) if w is not None else None
+            _ScaleGradient.apply(local_shard(w), 1 / self.data_ranks) if w is not None else None
             for w in (self.w1, self.w3, self.w2)
         ]
         positions = _chunk_slots(counts, self.chunks) if self.chunks > 1 else [None]
@@ -266,17 +269,28 @@ class ExpertParallelExperts(GroupedExperts):
 
 
 def apply_expert_parallel(
-    part: nn.Module, expert_mesh: DeviceMesh, *, reshard: bool, chunks: int, wire: torch.dtype | None
-) -> None:
-    """Every MoE layer of `part`, in place: its experts split over expert_mesh['ep'] and FSDP-sharded
-    over expert_mesh['edp'], replicated over its 'dp_replicate' when it has one (HSDP; `reshard`: freed
-    after forward, as ZeRO-3 does); the slots travel in `chunks` chunks, in `wire` precision (None: their
-    own). Collective over the expert mesh; apply before the
-    blocks' FSDP, on identical models."""
+    part: nn.Module,
+    expert_mesh: DeviceMesh,
+    *,
+    data_ranks: int,
+    reshard: bool,
+    chunks: int,
+    wire: torch.dtype | None,
+) -> set[nn.Parameter]:
+    """Every MoE layer of `part`, in place: its experts split over expert_mesh['ep'] (whose tokens are
+    those of `data_ranks` data-parallel ranks' batches) and FSDP-sharded over expert_mesh['edp'],
+    replicated over its 'dp_replicate' when it has one (HSDP; `reshard`: freed after forward, as ZeRO-3
+    does); the slots travel in `chunks` chunks, in `wire` precision (None: their own). Collective over the
+    expert mesh; apply before the blocks' FSDP, on identical models. Where no other rank holds the same
+    experts there is nothing for FSDP to shard or reduce: the experts' parameters are returned, for the
+    blocks' FSDP to leave alone, instead of being wrapped in a unit of one rank (which would gather and
+    free them every micro-batch for nothing)."""
     ep_mesh = expert_mesh["ep"]
     names = expert_mesh.mesh_dim_names or ()
     data_dims = ("dp_replicate", "edp") if "dp_replicate" in names else "edp"  # HSDP, or FSDP
     rank, ranks = ep_mesh.get_local_rank(), ep_mesh.size()
+    data_mesh = expert_mesh[data_dims]
+    alone: set[nn.Parameter] = set()
     for module in part.modules():
         if not isinstance(module, MoE):
             continue
@@ -288,4 +302,9 @@ def apply_expert_parallel(
         experts.__class__ = ExpertParallelExperts
         parallel = cast(ExpertParallelExperts, experts)
         parallel.ep_group, parallel.chunks, parallel.wire = ep_mesh.get_group(), chunks, wire
-        fully_shard(experts, mesh=expert_mesh[data_dims], reshard_after_forward=reshard)
+        parallel.data_ranks = data_ranks
+        if data_mesh.size() == 1:
+            alone.update(experts.parameters())
+        else:
+            fully_shard(experts, mesh=data_mesh, reshard_after_forward=reshard)
+    return alone

@@ -18,6 +18,7 @@ from megascale.config import ParallelConfig
 from megascale.models import sharding
 from megascale.models.moe import MoE
 from megascale.parallel.activation import apply_activation_checkpointing
+from megascale.parallel.context import apply_context_parallel
 from megascale.parallel.data import apply_fsdp
 from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
@@ -45,10 +46,10 @@ def parallelize(
     async_reductions = (
         par.overlap.dp
         and device.type == "cpu"
-        and dims.dp > 1
+        and dims.fsdp_ranks > 1
         and dims.dp_replicate == 1
         and dims.pp == 1
-        and dims.ep == 1
+        and dims.expert_ranks == 1
     )
     reductions = GradientReductions() if async_reductions else None
     routed = any(isinstance(module, MoE) for module in model.modules())  # before a stage drops layers
@@ -62,8 +63,9 @@ def parallelize(
             gather_early=par.overlap.dp,
             zero1=par.zero_stage == 1,
             reductions=reductions,
-            data_groups=_data_groups(dims),
+            routing_groups=_routing_groups(dims),
             routed=routed,
+            context=(dims.cp, dims.context_rank()),
         )
     num_stages = dims.pp * par.pp_virtual_stages
     stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages)
@@ -94,14 +96,18 @@ def parallelize(
         gather_early=par.overlap.dp,
         zero1=False,  # the schedule syncs FSDP's gradients at each stage's last backward
         pipeline_group=group,
-        data_groups=_data_groups(dims),
+        routing_groups=_routing_groups(dims),
         routed=routed,
+        context=(dims.cp, dims.context_rank()),
     )
 
 
-def _data_groups(dims: ParallelDims) -> list[ProcessGroup]:
-    """The data-parallel groups of this rank, one per data dimension with more than one rank."""
+def _routing_groups(dims: ParallelDims) -> list[ProcessGroup]:
+    """The groups of this rank whose ranks route other tokens through the same MoE layers: one per data
+    dimension with more than one rank, and the tp group where each tp rank routes its own tokens."""
     sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard}
+    if dims.experts_over_tp:
+        sizes["tp"] = dims.tp
     return [dims.sub_mesh(name).get_group() for name, size in sizes.items() if size > 1]
 
 
@@ -129,32 +135,38 @@ def _shard(
     compile_blocks: bool,
     reductions: GradientReductions | None,
 ) -> None:
-    """One model part, in place: tensor + sequence parallelism, activation checkpointing, per-block
-    compilation, expert parallelism, FSDP."""
+    """One model part, in place: tensor + sequence parallelism, context parallelism's ring attention,
+    activation checkpointing, per-block compilation, expert parallelism, FSDP."""
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
             dims.sub_mesh("tp"),
             blocks=sharding.BLOCKS,
             block_plan=sharding.BLOCK_PLAN,
-            routed_block_plan=sharding.ROUTED_BLOCK_PLAN,
+            routed_block_plan=(
+                sharding.ROUTED_OWN_TOKENS_BLOCK_PLAN if dims.experts_over_tp else sharding.ROUTED_BLOCK_PLAN
+            ),
             top_level_plan=sharding.TOP_LEVEL_PLAN,
             sequence_parallel=par.sequence_parallel,
             overlap_chunks=par.overlap.tp_chunks if par.overlap.tp else None,
         )
+    if dims.cp > 1:
+        apply_context_parallel(part, dims.context_group(), overlap=par.overlap.cp)
     apply_activation_checkpointing(part, blocks=sharding.BLOCKS, mode=par.activation_checkpoint)
     if compile_blocks:
         for block in part.get_submodule(sharding.BLOCKS).children():
             block.compile()
-    if dims.ep > 1:
-        apply_expert_parallel(
+    alone: set[nn.Parameter] = set()
+    if dims.expert_ranks > 1:
+        alone = apply_expert_parallel(
             part,
             dims.expert_mesh(),
+            data_ranks=dims.ep,
             reshard=par.zero_stage == 3,
             chunks=2 if par.overlap.ep else 1,
             wire=getattr(torch, par.ep_comm_dtype),
         )
-    if dims.dp > 1:
+    if dims.fsdp_ranks > 1:
         apply_fsdp(
             part,
             dims.fsdp_mesh(),
@@ -162,4 +174,5 @@ def _shard(
             zero_stage=par.zero_stage,
             overlap=par.overlap.dp,
             reductions=reductions,
+            ignored=alone,
         )

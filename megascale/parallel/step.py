@@ -28,6 +28,7 @@ from megascale.config import ModelConfig
 from megascale.models import sharding
 from megascale.models.moe import MoE, training_step
 from megascale.optim.clip import clip_by_global_norm
+from megascale.parallel.context import shard_sequence
 from megascale.parallel.data import sync_gradients
 from megascale.parallel.data_overlap import GradientReductions, issue_first_all_gathers
 from megascale.parallel.tensor import full_tensor, loss_context
@@ -57,8 +58,9 @@ class ParallelModel:
         zero1: bool,
         reductions: GradientReductions | None = None,
         pipeline_group: ProcessGroup | None = None,
-        data_groups: Sequence[ProcessGroup] = (),
+        routing_groups: Sequence[ProcessGroup] = (),
         routed: bool = False,
+        context: tuple[int, int] = (1, 0),
     ):
         self.parts = parts  # one per pipeline stage this rank holds; the whole model without pipelining
         self.device = device
@@ -68,7 +70,10 @@ class ParallelModel:
         self.zero1 = zero1  # gradients reduce-scattered once a step, at its last micro-batch
         self.reductions = reductions  # asynchronous reduce-scatters in flight (DP overlap, CPU)
         self.pipeline_group = pipeline_group  # the ranks holding the other stages
-        self.data_groups = data_groups  # the ranks holding the same layers: one group per data dimension
+        self.context = context  # (cp, this rank's index among them): which slice of each sequence it holds
+        # The ranks routing other tokens through the same layers: one group per data dimension, and the tp
+        # group where each tp rank routes its own part of the sequence (parallel.moe_tp = "ep").
+        self.routing_groups = routing_groups
         # Every MoE layer this rank holds, and its block's index in the whole model.
         held = [
             (name, module)
@@ -109,6 +114,7 @@ class ParallelModel:
         """Forward and backward over the step's micro-batches, accumulating the gradient of their mean
         loss; returns that mean loss (where the layout holds it: 0 on ranks that do not)."""
         total = torch.zeros((), device=self.device)
+        batches = self.local_slices(batches)
         # The auxiliary losses weigh in each micro-batch's backward as its main loss does.
         with loss_context(self.tensor_parallel), training_step(aux_loss_scale=1 / len(batches)):
             for index, (inputs, labels) in enumerate(batches):
@@ -125,7 +131,18 @@ class ParallelModel:
     def evaluate(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
         """The mean loss over `micro_batches_per_evaluation` micro-batches, without gradients."""
         with loss_context(self.tensor_parallel):
-            return full_tensor(self._loss(*batches[0], loss_fn))
+            return full_tensor(self._loss(*self.local_slices(batches)[0], loss_fn))
+
+    def local_slices(self, batches: Batches) -> Batches:
+        """The micro-batches as this rank computes them: under context parallelism, its slice of every
+        sequence, inputs and labels alike (`shard_sequence`); the loss is then the mean over its tokens,
+        and the mean over the cp ranks (equal token counts) is the whole sequences' mean."""
+        cp, rank = self.context
+        if cp == 1:
+            return batches
+        return [
+            (shard_sequence(inputs, cp, rank), shard_sequence(labels, cp, rank)) for inputs, labels in batches
+        ]
 
     def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
         """The global gradient L2 norm over every shard (TP, FSDP) and stage (PP), clipped to `max_norm`
@@ -136,9 +153,10 @@ class ParallelModel:
 
     def finish_step(self) -> dict[str, float]:
         """After the optimizer step, in a model with MoE layers: their expert loads and dropped slots summed
-        over the data-parallel ranks (one all-reduce for every layer), their routing biases moved toward
-        an even load, and the router's health for the metrics, over every layer of every stage: the worst
-        layer's max/mean expert load, each layer's, and the share of routed slots dropped (capacity)."""
+        over the ranks routing other tokens (one all-reduce for every layer, per group), their routing
+        biases moved toward an even load, and the router's health for the metrics, over every layer of
+        every stage: the worst layer's max/mean expert load, each layer's, and the share of routed slots
+        dropped (capacity)."""
         if not self.routed:
             return {}
         if not self.moe_layers:  # a stage of dense layers only: it adds nothing to the health
@@ -147,7 +165,7 @@ class ParallelModel:
             counts = torch.stack(
                 [torch.cat([layer.load, layer.dropped[None], layer.balance]) for layer in self.moe_layers]
             )
-            for group in self.data_groups:
+            for group in self.routing_groups:
                 dist.all_reduce(counts, group=group)
         balance = counts[:, -2:]  # each layer's balancing losses summed, and how many
         counts = counts[:, :-2]
@@ -248,7 +266,7 @@ class PipelinedModel(ParallelModel):
         return self._run(self.schedule.eval, batches, loss_fn)
 
     def _run(self, run: Callable[..., Any], batches: Batches, loss_fn: LossFn) -> torch.Tensor:
-        inputs, labels = (torch.cat(column) for column in zip(*batches))
+        inputs, labels = (torch.cat(column) for column in zip(*self.local_slices(batches)))
         losses: list[torch.Tensor] = []
         self._loss_fn = loss_fn
         with loss_context(self.tensor_parallel), self.autocast():

@@ -12,7 +12,12 @@ A block with an MoE feed-forward layer takes the routed plan: its attention as i
 layer computed whole on every TP rank on the whole sequence (gathered under sequence parallelism, and its
 output cut back to the rank's shard), so routing, capacity and the balancing loss see whole sequences as
 on one process. The TP ranks repeat the layer's work rather than split it; its experts can be split over
-data-parallel ranks instead (expert.py).
+data-parallel ranks instead (expert.py). With parallel.moe_tp = "ep" (MegaScale-MoE's layout) the routed
+block plan has each TP rank route its own part of the sequence (the stream's shard under sequence
+parallelism, else a cut of the whole stream, gathered again after the layer) and send its slots to the
+experts' ranks, which include the TP ranks (expert.py); the router and the shared experts are replicated,
+each rank computing its own tokens, their gradients summed over the TP ranks by DTensor. The layer's
+per-sequence counts (capacity, balancing loss) are exchanged over the TP group (`SequenceShards`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -33,7 +40,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from megascale.models.moe import MoE
+from megascale.models.moe import MoE, WholeSequences
 from megascale.parallel.tensor_overlap import ChunkedSequenceParallelAttention, ChunkedSequenceParallelMLP
 
 
@@ -62,6 +69,19 @@ def _style(word: str, sequence_parallel: bool, module: nn.Module, overlap_chunks
             output_layouts=Replicate(),
             desired_output_layouts=Shard(1),
         )
+    if word == "own_tokens":
+        # The rank's part of the stream in and out: its shard, or, with the stream whole on every rank,
+        # a cut of it whose outputs are gathered back.
+        return PrepareModuleInputOutput(
+            input_layouts=stream,
+            desired_input_layouts=Shard(1),
+            use_local_input=True,
+            output_layouts=Shard(1),
+            desired_output_layouts=stream,
+        )
+    if word == "replicated":
+        # Its inputs are each rank's own tokens (dimension 0 names them for DTensor, whatever they are).
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if word == "gather_sequence":
         if not sequence_parallel:
             return None
@@ -119,8 +139,31 @@ def apply_tensor_parallel(
         if routed_block_plan is not None and any(isinstance(module, MoE) for module in block.modules()):
             plan = routed_block_plan
         parallelize_module(block, tp_mesh, _plan_for(block, plan, sequence_parallel, overlap_chunks))
+        if plan.get("feed_forward") == "own_tokens":
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    module.sequences = SequenceShards(tp_mesh.get_group())
     parallelize_module(model, tp_mesh, _plan_for(model, top_level_plan, sequence_parallel, overlap_chunks))
     _tie_again(model, tied)
+
+
+class SequenceShards(WholeSequences):
+    """An MoE layer's view of sequences cut into the parts of a TP group's ranks, in rank order: counts
+    over each part are summed (or summed before this rank's part) over the group."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def total(self, counts: Tensor) -> Tensor:
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
+    def before(self, counts: Tensor) -> Tensor:
+        parts = [torch.empty_like(counts) for _ in range(self.parts)]
+        dist.all_gather(parts, counts.detach().contiguous(), group=self.group)
+        return torch.stack(parts[: self.rank]).sum(0) if self.rank else torch.zeros_like(counts)
 
 
 def _tied_parameters(model: nn.Module) -> list[list[str]]:

@@ -5,8 +5,9 @@ Where an MoE layer's work lands depends on how the layout spreads it (`Layout.mo
   every token slot of the group's micro-batch for its slices, the tokens all-gathered before the layer and
   reduce-scattered after it as for a dense MLP. Each expert GEMM is 1/tp as wide.
 - "whole" (megascale's trainer): every tp rank computes the whole layer on the whole sequence.
-- "ep" (MegaScale-MoE): the tp ranks are the expert-parallel group; each holds experts/tp whole experts
-  and sends the token slots of its share of the sequence to their experts' ranks by all-to-all.
+- "ep" (MegaScale-MoE; megascale's trainer with parallel.moe_tp = "ep"): the tp ranks are expert-parallel
+  ranks; each holds experts/ep whole experts and sends the token slots of its share of the sequence to
+  their experts' ranks by all-to-all. The group is the tp ranks (ep = tp), or ep / tp adjacent tp groups.
 With `ep > 1` outside "ep" the experts are split over ep data-parallel ranks, which exchange their own
 micro-batches' slots the same way. Experts are taken as evenly loaded (the balancing the router is trained
 for), so every device computes its share of the slots: tokens x top_k x (its experts / all experts). The
@@ -56,7 +57,7 @@ def moe_layers(model: ModelConfig) -> int:
 
 def expert_group(layout: Layout) -> int:
     """Ranks the routed experts are split over."""
-    return layout.tp if layout.experts_over_tp else layout.ep
+    return layout.ep
 
 
 def tokens_in(job: Job, layout: Layout) -> float:
@@ -86,8 +87,13 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
         return f"attention {layout.attention!r} is not one of tp, sp"
     if not is_moe(model):
         return "ep > 1 needs an MoE model" if layout.ep > 1 or layout.experts_over_tp else None
-    if layout.experts_over_tp and layout.ep != layout.tp:
-        return f"moe_tp 'ep' makes the tp ranks the expert group: ep {layout.ep} must equal tp {layout.tp}"
+    if layout.experts_over_tp and layout.ep % layout.tp:
+        return (
+            f"moe_tp 'ep' puts the experts over the tp ranks: ep {layout.ep} must be a multiple of tp "
+            f"{layout.tp}"
+        )
+    if layout.experts_over_tp and layout.dp % (layout.ep // layout.tp):
+        return f"moe_tp 'ep': ep {layout.ep} / tp {layout.tp} must divide dp {layout.dp}"
     if layout.experts_over_tp and layout.tp > 1 and layout.attention == "tp" and not layout.sequence_parallel:
         return "moe_tp 'ep' needs the sequence split over the tp ranks (sequence parallelism)"
     if not layout.experts_over_tp and layout.dp % layout.ep:
@@ -158,8 +164,8 @@ def moe_block_params(job: Job, layout: Layout) -> tuple[float, float]:
 
 def expert_data_parallel(layout: Layout) -> tuple[int, int]:
     """(ranks holding the same experts, their stride): the routed experts' data-parallel group."""
-    if layout.experts_over_tp:
-        return layout.dp, layout.tp
+    if layout.experts_over_tp:  # ep / tp data-parallel ranks' tp groups hold different experts
+        return layout.dp // (layout.ep // layout.tp), layout.ep
     return layout.dp // layout.ep, layout.tp * layout.ep
 
 

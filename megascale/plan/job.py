@@ -56,12 +56,13 @@ class Layout:
     recompute: str = "selective"  # "none", "selective" (attention core) or "full" (whole blocks)
     sequence_parallel: bool = True
     # Mixture of experts (docs/planning.md, "Mixture of experts"): the routed experts are split over ep
-    # ranks, which are data-parallel ranks unless moe_tp is "ep".
+    # ranks, which are data-parallel ranks unless moe_tp is "ep" (then tp ranks: ep/tp tp groups).
     ep: int = 1
     # How an MoE layer uses the tp ranks: "split" (each expert's hidden size split, tokens all-gathered
     # and reduce-scattered as for a dense MLP: Megatron-LM), "whole" (computed whole on every tp rank
-    # on the whole sequence: megascale's trainer), "ep" (the tp ranks are the ep group, each sending its
-    # share of the sequence by all-to-all: MegaScale-MoE).
+    # on the whole sequence: megascale's trainer by default), "ep" (the tp ranks are expert-parallel
+    # ranks, each sending its share of the sequence by all-to-all: MegaScale-MoE, and megascale's trainer
+    # with parallel.moe_tp = "ep").
     moe_tp: str = "split"
     # How attention uses the tp ranks: "tp" (heads split, Megatron's TP + SP) or "sp" (every rank holds
     # the whole weights and a share of the sequence; queries, keys and values exchanged by all-to-all to
@@ -85,7 +86,7 @@ class Layout:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         sp = " sp-attention" if self.attention == "sp" else ""
         if self.experts_over_tp:
-            experts = f" ep{self.ep}=tp"
+            experts = f" ep{self.ep}=tp" + (f" x {self.ep // self.tp}" if self.ep > self.tp else "")
         else:
             experts = f" ep{self.ep}" if self.ep > 1 else ""
         return (
@@ -106,9 +107,12 @@ class Features:
     # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
     # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep).
     ep_overlap: str = "none"
-    # How the system lays an MoE layer over the tp ranks (Layout.moe_tp): Megatron-LM splits each expert;
-    # MegaScale-MoE makes the tp ranks the expert-parallel group, with sequence-parallel attention.
-    moe_tp: str = "split"
+    # The ways the system lays an MoE layer over the tp ranks (Layout.moe_tp): Megatron-LM splits each
+    # expert; MegaScale-MoE makes the tp ranks the expert-parallel group, with sequence-parallel attention
+    # (`moe_attention`); megascale's trainer computes the layer whole on each, or as MegaScale-MoE does
+    # with its own attention (heads split, Megatron's TP + SP).
+    moe_tp: tuple[str, ...] = ("split",)
+    moe_attention: str = "sp"
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
 
@@ -123,14 +127,14 @@ MEGASCALE = Features(
     fused_kernels=True,
     async_data=True,
     ep_overlap="both",
-    moe_tp="ep",
+    moe_tp=("ep",),
     host_overhead_s=0.2,
 )
 
 
 # megascale's own trainer: FSDP2 synchronises every micro-batch; no overlap is modelled (on CPU, gloo
 # collectives and compute share the same cores).
-MEGASCALE_TRAINER = Features(dp_sync_per_micro_batch=True, moe_tp="whole")
+MEGASCALE_TRAINER = Features(dp_sync_per_micro_batch=True, moe_tp=("whole", "ep"), moe_attention="tp")
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
     """The layout a megascale config would train with on `devices` processes."""
     par = cfg.parallel
     dp = devices // (par.tp * par.pp)
+    over_tp = par.moe_tp == "ep" and par.tp > 1 and cfg.model.moe.experts > 0
     return Layout(
         tp=par.tp,
         pp=par.pp,
@@ -155,8 +160,8 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
         zero_stage=par.zero_stage if dp > 1 else 1,
         recompute=par.activation_checkpoint,
         sequence_parallel=par.sequence_parallel,
-        ep=par.ep,
-        moe_tp="whole",
+        ep=par.ep * (par.tp if over_tp else 1),
+        moe_tp="ep" if over_tp else "whole",
     )
 
 

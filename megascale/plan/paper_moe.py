@@ -50,8 +50,8 @@ PP = 15
 
 # Both systems with MegaScale's DP and PP overlap, FlashAttention and fused kernels, no host stall.
 COMMON = Features(pp_overlap=True, dp_overlap=True, fused_kernels=True, async_data=True)
-MEGATRON_LM = dataclasses.replace(COMMON, moe_tp="split")
-MEGASCALE_MOE = dataclasses.replace(COMMON, tp_overlap=True, ep_overlap="both", moe_tp="ep")
+MEGATRON_LM = dataclasses.replace(COMMON, moe_tp=("split",))
+MEGASCALE_MOE = dataclasses.replace(COMMON, tp_overlap=True, ep_overlap="both", moe_tp=("ep",))
 
 # Table 3 (352B strong scaling, batch 720): (GPUs, Megatron-LM tokens/s, MegaScale-MoE tokens/s).
 TABLE_3 = [
@@ -129,8 +129,8 @@ def table_5() -> list[tuple[str, float, float]]:
     job = Job(MODEL_352B, SEQ_LEN, BATCH)
     steps = [
         ("Megatron-LM", MEGATRON_LM),
-        ("MegaScale-MoE", dataclasses.replace(MEGATRON_LM, moe_tp="ep")),
-        ("MegaScale-MoE", dataclasses.replace(MEGATRON_LM, moe_tp="ep", ep_overlap="both")),
+        ("MegaScale-MoE", dataclasses.replace(MEGATRON_LM, moe_tp=("ep",))),
+        ("MegaScale-MoE", dataclasses.replace(MEGATRON_LM, moe_tp=("ep",), ep_overlap="both")),
         ("MegaScale-MoE", MEGASCALE_MOE),
     ]
     throughputs = [

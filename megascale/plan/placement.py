@@ -55,22 +55,26 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
     per_pod = profile.devices_per_node * profile.nodes_per_pod
     for rank, where in enumerate(coordinates):
         where["node"], where["pod"] = rank // profile.devices_per_node, rank // per_pod
-    kinds = ["tp", "dp", "pp"] + (["ep"] if layout.ep > 1 and not layout.experts_over_tp else [])
+    ep_beyond_tp = layout.ep > (layout.tp if layout.experts_over_tp else 1)  # not just the tp group
+    kinds = ["tp", "dp", "pp"] + (["ep"] if ep_beyond_tp else [])
     nodes, pods = {}, {}
     for kind in kinds:
         groups: dict[tuple[int, ...], list[dict[str, int]]] = {}
         for where in coordinates:
-            groups.setdefault(_group_key(where, kind, layout.ep), []).append(where)
+            groups.setdefault(_group_key(where, kind, layout), []).append(where)
         nodes[kind] = max(len({where["node"] for where in group}) for group in groups.values())
         pods[kind] = max(len({where["pod"] for where in group}) for group in groups.values())
     return Placement(rank_order, coordinates, nodes, pods)
 
 
-def _group_key(where: dict[str, int], kind: str, ep: int) -> tuple[int, ...]:
+def _group_key(where: dict[str, int], kind: str, layout: Layout) -> tuple[int, ...]:
     """What the ranks of one group of `kind` share: their other coordinates. An expert-parallel group is
-    ep consecutive data-parallel indices (ep innermost within dp, as ParallelDims splits them)."""
+    ep consecutive data-parallel indices (ep innermost within dp, as ParallelDims splits them), or with
+    the experts over the tp ranks ep / tp consecutive data-parallel indices' tp groups."""
+    if kind == "ep" and layout.experts_over_tp:
+        return where["pp"], where["dp"] // (layout.ep // layout.tp)
     if kind == "ep":
-        return where["pp"], where["tp"], where["dp"] // ep
+        return where["pp"], where["tp"], where["dp"] // layout.ep
     return tuple(where[name] for name in ("pp", "dp", "tp") if name != kind)
 
 

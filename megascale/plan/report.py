@@ -12,6 +12,7 @@ import dataclasses
 from megascale.config import JobConfig, load_config
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token, num_params
+from megascale.plan.experts import is_moe
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import (
     MEGASCALE,
@@ -85,6 +86,11 @@ def _job(cfg: JobConfig, batch: int | None, system: str) -> Job:
 
 def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
     par = cfg.parallel
+    if par.cp > 1:
+        raise ConfigError(
+            f"plan: parallel.cp = {par.cp}: context parallelism is not in the cost model yet; plan the "
+            "layout with parallel.cp = 1, or drop --config-layout to search"
+        )
     if devices % (par.tp * par.pp):
         raise ConfigError(
             f"plan: --devices {devices} is not a multiple of parallel.tp x parallel.pp = {par.tp * par.pp}; "
@@ -99,16 +105,18 @@ def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
     return layout
 
 
-def config_overrides(layout: Layout, rank_order: str) -> str:
-    """The overrides that make `megascale train` run `layout` (or why it cannot)."""
-    if layout.attention == "sp" or layout.experts_over_tp:
+def config_overrides(layout: Layout, rank_order: str, moe: bool = False) -> str:
+    """The overrides that make `megascale train` run `layout` (or why it cannot); `moe`: of an MoE model."""
+    if layout.attention == "sp" or (moe and layout.tp > 1 and layout.moe_tp == "split"):
         return (
-            "not by megascale's trainer: sequence-parallel attention with the experts over the tp ranks is "
-            "MegaScale-MoE's layout (plan with --system trainer for layouts it trains)"
+            "not by megascale's trainer: sequence-parallel attention, or experts split over the tp ranks, "
+            "are MegaScale-MoE's and Megatron-LM's layouts (plan with --system trainer for layouts it trains)"
         )
     schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b"
     zero = f" --parallel.zero_stage={layout.zero_stage}" if layout.dp > 1 else ""
-    zero += f" --parallel.ep={layout.ep}" if layout.ep > 1 else ""
+    ep = layout.ep // layout.tp if layout.experts_over_tp else layout.ep
+    zero += " --parallel.moe_tp=ep" if layout.experts_over_tp and layout.tp > 1 else ""
+    zero += f" --parallel.ep={ep}" if ep > 1 else ""
     return (
         f"--parallel.tp={layout.tp} --parallel.pp={layout.pp} "
         f"--parallel.pp_virtual_stages={layout.virtual_stages} "
@@ -145,7 +153,7 @@ def render(
         f"memory limit {limit_gb:.1f} GB per device ({MEMORY_HEADROOM:.0%} of "
         f"{profile.hbm_bytes / 1e9:.0f} GB{' shared by the processes' if profile.host_cores else ''})",
         f"placement of #1: {placement.describe()}",
-        f"train #1 with: {config_overrides(best.layout, placement.rank_order)}",
+        f"train #1 with: {config_overrides(best.layout, placement.rank_order, is_moe(model))}",
     ]
     if explain:
         lines += explain_lines(best, profile)

@@ -39,10 +39,11 @@ def candidate_layouts(
     profile: HardwareProfile,
     fixed: dict[str, int],
     recomputes: tuple[str, ...],
-    moe_tp: str = "split",
+    features: Features | None = None,
 ) -> list[Layout]:
     """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8}). An MoE model's layers go over the
-    tp ranks as `moe_tp` says (the system's way), its experts over any ep that divides them."""
+    tp ranks in each of the system's ways (`features.moe_tp`), its experts over any ep that fits."""
+    features = features or Features()
     model = job.model
     layouts = []
     for tp in divisors(devices):
@@ -63,21 +64,27 @@ def candidate_layouts(
                     for zero_stage in (2, 3) if dp > 1 else (1,):
                         for recompute in recomputes:
                             base = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute)
-                            for layout in _expert_layouts(job, base, moe_tp):
+                            for layout in _expert_layouts(job, base, features):
                                 if all(getattr(layout, key) == value for key, value in fixed.items()):
                                     layouts.append(layout)
     return layouts
 
 
-def _expert_layouts(job: Job, layout: Layout, moe_tp: str) -> list[Layout]:
-    """`layout` with each legal way of spreading the model's experts (itself for a dense model)."""
+def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout]:
+    """`layout` with each legal way of spreading the model's experts (itself for a dense model): each of
+    the system's ways over the tp ranks, the experts over ep data-parallel ranks (or their tp groups)."""
     if not is_moe(job.model):
         return [layout]
-    if moe_tp == "ep" and layout.tp > 1:
-        chosen = [dataclasses.replace(layout, moe_tp="ep", ep=layout.tp, attention="sp")]
-    else:
-        base = "whole" if moe_tp == "ep" else moe_tp
-        chosen = [dataclasses.replace(layout, moe_tp=base, ep=ep) for ep in divisors(layout.dp)]
+    chosen = []
+    for moe_tp in features.moe_tp:
+        if moe_tp == "ep" and layout.tp > 1:
+            chosen += [
+                dataclasses.replace(layout, moe_tp="ep", ep=layout.tp * k, attention=features.moe_attention)
+                for k in divisors(layout.dp)
+            ]
+        elif moe_tp != "ep" or "whole" not in features.moe_tp:  # without tp, "ep" is "whole"
+            base = "whole" if moe_tp == "ep" else moe_tp
+            chosen += [dataclasses.replace(layout, moe_tp=base, ep=ep) for ep in divisors(layout.dp)]
     return [choice for choice in chosen if layout_problem(job, choice) is None]
 
 
@@ -107,7 +114,7 @@ def search(
     """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal or none fits.
     `skip_selective` leaves out selective recomputation, which is the same as none with fused attention."""
     recomputes = ("none", "full") if skip_selective else ("none", "selective", "full")
-    layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes, features.moe_tp)
+    layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes, features)
     if not layouts:
         pinned = "".join(f" --{key} {value}" for key, value in (fixed or {}).items())
         raise ConfigError(

@@ -7,10 +7,12 @@ import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints
 from megascale.cli import main
+from megascale.config import load_config
 from megascale.errors import CheckpointError, ConfigError
 from megascale.optim import lr_factor
 from megascale.trainer import Trainer
 from tests.conftest import tiny_args
+from tests.parallel.multiprocess import run_ranks
 
 
 def test_a_longer_schedule_and_a_new_peak_lr_are_said_and_applied_from_the_resumed_step(
@@ -27,6 +29,44 @@ def test_a_longer_schedule_and_a_new_peak_lr_are_said_and_applied_from_the_resum
             assert group["lr"] == pytest.approx(0.001 * lr_factor(4, **schedule))
     resumed.train()
     assert resumed.lr_schedulers[0].get_last_lr()[0] == pytest.approx(0.001 * lr_factor(8, **schedule))
+
+
+def _train_longer(rank: int, world: int, overrides: list[str]) -> int:
+    trainer = Trainer(load_config(None, overrides))
+    trainer.train()
+    return trainer.step
+
+
+def test_a_longer_context_phase_resumes_with_rope_scaling_and_context_parallelism(
+    tiny_config, tiny_corpus, tmp_path
+):
+    """docs/models.md's long-context recipe: the same run at 4x the sequence length, RoPE scaled over the
+    trained length, each sequence split over 2 ranks."""
+    Trainer(tiny_config("--training.steps=2")).train()
+    longer = [
+        "--model.max_seq_len=128",
+        "--data.seq_len=128",
+        "--model.attention.rope_scaling.type=llama3",
+        "--model.attention.rope_scaling.factor=4",
+        "--model.attention.rope_scaling.original_max_seq_len=32",
+        "--parallel.cp=2",
+        "--training.global_batch_size=2",
+        "--training.micro_batch_size=1",
+        "--training.steps=3",
+    ]
+    overrides = tiny_args(tiny_corpus, tmp_path / "run", tmp_path.parent / "data", *longer)
+    assert run_ranks(_train_longer, 2, overrides, timeout_s=180) == [3, 3]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "resumed from" in log and "(sequence over cp 2)" in log
+    assert "model.attention.rope_scaling.type 'none' -> 'llama3'" in log
+
+
+def test_a_longer_learned_position_table_is_refused_on_resume(tiny_config):
+    Trainer(tiny_config("--training.steps=2", "--model.position=learned")).train()
+    with pytest.raises(
+        CheckpointError, match=r"model\.max_seq_len = 32, but the config has model\.max_seq_len = 64"
+    ):
+        Trainer(tiny_config("--training.steps=4", "--model.position=learned", "--model.max_seq_len=64"))
 
 
 def test_another_optimizer_is_refused_on_resume(tiny_config):

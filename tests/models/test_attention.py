@@ -7,7 +7,8 @@ import torch
 
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.attention import causal_attention, sliding_window_attention
-from megascale.models.llama import Attention, Transformer, apply_rope, rope_tables
+from megascale.models.llama import Attention, Transformer
+from megascale.models.rope import apply_rope, rope_tables
 
 WINDOWS = (1, 3, 16, 63, 64, 65, 200)
 

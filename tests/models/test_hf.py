@@ -27,8 +27,12 @@ VOCAB, SEQ, BATCH, ATOL = 96, 24, 2, 1e-5
 HEAD_LAYOUTS = {"gqa": (4, 2, False), "mha": (4, 4, False), "tied": (4, 1, True)}
 
 
-def make_hf_model(n_heads: int, n_kv_heads: int, tied: bool) -> "transformers.LlamaForCausalLM":
+def make_hf_model(
+    n_heads: int, n_kv_heads: int, tied: bool, rope_scaling: dict | None = None
+) -> "transformers.LlamaForCausalLM":
+    """A random Llama with perturbed norms; `rope_scaling`: its rope_parameters beside rope_theta."""
     torch.manual_seed(0)
+    rope = {"rope_parameters": {**rope_scaling, "rope_theta": 500.0}} if rope_scaling else {}
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -44,6 +48,7 @@ def make_hf_model(n_heads: int, n_kv_heads: int, tied: bool) -> "transformers.Ll
         eos_token_id=None,
         pad_token_id=None,
         attn_implementation="eager",
+        **rope,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -197,8 +202,9 @@ def test_unsupported_configs_refuse_to_export(change, message, tmp_path):
         ({"mlp_bias": True}, "mlp_bias = True"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
         ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window = True"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type = 'llama3'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE type 'longrope'"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 5e5}}, "RoPE type 'su'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
     ],
 )
 def test_unsupported_hf_configs_refuse_to_import(change, message):

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import flops_per_token, num_params
-from megascale.models.llama import Transformer, TransformerBlock, rope_tables
+from megascale.models.llama import Transformer, TransformerBlock
+from megascale.models.rope import rope_tables
 
 SMALL = ModelConfig(
     dim=64, n_layers=2, vocab_size=128, max_seq_len=64, attention=AttentionConfig(n_heads=4, n_kv_heads=2)

@@ -154,6 +154,33 @@ def test_tensor_parallel_waits_count_as_exposed_communication(tmp_path):
     assert wait["args"]["bytes"] == 16 and wait["dur"] > 200_000
 
 
+def _wait_on_the_ring_and_between_stages(rank, world_size, directory):
+    import torch
+    import torch.distributed as dist
+
+    from megascale.observe.collectives import record_collectives
+    from megascale.parallel.context import _exchange
+
+    ring = dist.new_group([0, 1], group_desc="mesh_cp")  # as ParallelDims names the cp ranks' group
+    stages = dist.new_group([0, 1], group_desc="mesh_pp")
+    dist.barrier()
+    timeline = Timeline(directory, rank=rank, coords={})
+    timeline.begin_step()
+    record_collectives(timeline)
+    for group in (ring, stages):
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 waits for rank 1's keys (communication), then its stage (bubble)
+        _exchange(torch.ones(4), group)
+    record_collectives(None)
+    timeline.close()
+    return timeline.step.comm, timeline.step.bubble
+
+
+def test_context_parallel_ring_waits_count_as_communication_and_pipeline_waits_as_bubble(tmp_path):
+    (comm_s, bubble_s), _ = run_ranks(_wait_on_the_ring_and_between_stages, 2, tmp_path)
+    assert comm_s > 0.2 and bubble_s > 0.2
+
+
 def test_recording_installs_on_a_torch_without_the_single_tensor_collectives(tmp_path):
     """torch 2.11 has no `all_gather_single`/`reduce_scatter_single` (2.13's FSDP2 names): the recorder
     wraps the collectives that exist and leaves the rest out (a fresh interpreter: it installs once)."""

@@ -357,7 +357,7 @@ def compare(row: Row, got: list[dict], reference: list[dict], after: dict[str, A
     # The step's precisions (compute, the expert-parallel all-to-all's payload): the loosest bound of each.
     precisions = {
         row["training.dtype"],
-        row["parallel.ep_comm_dtype"] if row["parallel.ep"] > 1 else "float32",
+        row["parallel.ep_comm_dtype"] if config_space.experts_split(row) else "float32",
     }
     bounds = [TOLERANCES[precision] for precision in precisions]
     tolerance = Tolerance(max(t.loss for t in bounds), max(t.grad_norm for t in bounds))

@@ -103,6 +103,51 @@ def test_dp_shard_takes_the_rest_of_the_world():
             ["--model.moe.experts=4", "--parallel.ep=2", "--parallel.activation_checkpoint=selective"],
             "parallel.activation_checkpoint = 'selective' cannot be used with parallel.ep = 2",
         ),
+        (
+            4,
+            ["--model.moe.experts=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.moe_tp=ep"],
+            "model.moe.experts = 2 is not divisible by parallel.ep x tp = 4",
+        ),
+        (
+            2,
+            [
+                "--model.moe.experts=4",
+                "--parallel.tp=2",
+                "--parallel.moe_tp=ep",
+                "--parallel.activation_checkpoint=selective",
+            ],
+            "parallel.activation_checkpoint = 'selective' cannot be used with parallel.ep x tp = 2",
+        ),
+        (
+            2,
+            [
+                "--model.moe.experts=4",
+                "--parallel.tp=2",
+                "--parallel.moe_tp=ep",
+                "--parallel.sequence_parallel=false",
+                "--data.seq_len=15",
+                "--model.max_seq_len=15",
+            ],
+            "data.seq_len = 15 is not divisible by parallel.tp = 2 (parallel.moe_tp = 'ep' routes each tp",
+        ),
+        (4, ["--parallel.cp=3"], "parallel.cp = 3 does not divide parallel.dp_shard = 4"),
+        (
+            2,
+            ["--parallel.cp=2", "--data.seq_len=30", "--model.max_seq_len=30"],
+            "data.seq_len = 30 is not divisible by 2 x parallel.cp = 4",
+        ),
+        (2, ["--parallel.cp=2", "--model.position=learned"], "model.position = 'learned' cannot be used"),
+        (
+            2,
+            ["--parallel.cp=2", "--model.moe.experts=4"],
+            "model.moe.experts = 4 cannot be used with parallel.cp",
+        ),
+        (
+            8,
+            ["--parallel.cp=2", "--training.global_batch_size=6", "--training.micro_batch_size=1"],
+            "training.global_batch_size = 6 is not divisible by the data-parallel degree 4 (dp_replicate x "
+            "dp_shard / cp)",
+        ),
         (3, [], "training.global_batch_size = 8 is not divisible by the data-parallel degree 3"),
         (
             4,

@@ -41,6 +41,7 @@ MODEL = [
     "--training.micro_batch_size=2",
 ]
 UNCHOSEN = 3  # the expert no token is routed to
+_OVER_TP = ["--parallel.tp=2", "--parallel.moe_tp=ep"]
 
 
 def _model(cfg) -> Transformer:
@@ -71,7 +72,7 @@ def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) 
     with training_step():
         expected = next_token_loss(reference(tokens[:, :-1]), tokens[:, 1:])
     expected.backward()
-    differences = {"loss": abs(float(loss) / dims.dp - float(expected))}
+    differences = {"loss": abs(float(loss) / world - float(expected))}  # the same on each tp rank
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         assert got.grad is not None, name
         differences[name] = float((full_tensor(got.grad) - want.grad).abs().max())
@@ -88,6 +89,12 @@ def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) 
         (4, ["--parallel.ep=2"], 1e-5),  # experts also sharded by FSDP over the other two ranks
         (4, ["--parallel.ep=4", "--parallel.zero_stage=1"], 1e-5),  # one expert per rank, ZeRO-1
         (2, ["--parallel.ep=2", "--parallel.ep_comm_dtype=bfloat16"], 1e-3),  # bf16 payload: rounded
+        # The experts over the tp ranks, each routing its part of the sequence (parallel.moe_tp = 'ep').
+        (2, _OVER_TP, 1e-5),
+        (2, [*_OVER_TP, "--model.moe.capacity_factor=1.0"], 1e-5),
+        (2, [*_OVER_TP, "--parallel.sequence_parallel=false", "--model.moe.score=sigmoid"], 1e-5),
+        (4, [*_OVER_TP, "--parallel.ep=2", "--model.moe.shared_experts=1"], 1e-5),  # ep 2 x tp 2
+        (4, [*_OVER_TP, "--parallel.dp_shard=2", "--model.moe.capacity_factor=1.0"], 1e-5),  # edp 2
     ],
 )
 def test_expert_parallel_gives_one_process_loss_and_gradients(world, overrides, tolerance):

@@ -85,6 +85,10 @@ def test_overrides_change_the_model(capsys):
         (["--devices", "3", "--config", PAPER_175B, "--config-layout"], "--devices 3 is not a multiple of"),
         (["--devices", "8", "--config", PAPER_175B, "--batch", "8"], "plan: no layout fits"),
         (["--devices", "8", "--model.nope=1"], "model.nope"),
+        (
+            ["--devices", "8", "--parallel.dp_shard=4", "--parallel.cp=2", "--config-layout"],
+            "plan: parallel.cp = 2: context parallelism is not in the cost model yet",
+        ),
     ],
 )
 def test_mistakes_are_one_line_naming_the_flag_and_the_fix(capsys, argv, message):

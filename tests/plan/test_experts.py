@@ -12,10 +12,11 @@ from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token, num_params
 from megascale.plan import paper_moe
 from megascale.plan.comm import all_to_all_seconds
-from megascale.plan.experts import MoEWork, exposed_all_to_all_seconds, moe_work
+from megascale.plan.experts import MoEWork, exposed_all_to_all_seconds, layout_problem, moe_work
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Cluster, Features, Job, Layout, job_from_config, layout_from_config
 from megascale.plan.memory import memory_per_device, stage_param_groups
+from megascale.plan.report import config_overrides
 from megascale.plan.step import estimate_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +84,8 @@ def test_the_overlap_hides_all_but_the_first_chunk_while_the_experts_last():
     ("changes", "message"),
     [
         (dict(ep=3, moe_tp="whole", dp=3), "32 experts do not split over 3 ranks"),
-        (dict(ep=4, moe_tp="ep", attention="sp"), "must equal tp 8"),
+        (dict(ep=4, moe_tp="ep", attention="sp"), "must be a multiple of tp 8"),
+        (dict(ep=24, moe_tp="ep", attention="sp"), "ep 24 / tp 8 must divide dp 2"),
         (dict(ep=4, moe_tp="whole", dp=2), "ep 4 must divide dp 2"),
     ],
 )
@@ -100,6 +102,24 @@ def test_a_megascale_moe_config_plans_its_own_expert_parallel_layout():
     assert (layout.ep, layout.moe_tp, layout.dp) == (2, "whole", 4)
     estimate = estimate_step(job_from_config(cfg), layout, Features(), PROFILES["h100"], Cluster(4))
     assert estimate.terms_s["ep_exposed"] > 0 and estimate.tokens_per_s > 0
+
+
+def test_experts_over_the_tp_ranks_plan_as_megascale_moes_layout_and_print_the_trainers_overrides():
+    overrides = ["--parallel.tp=2", "--parallel.moe_tp=ep", "--parallel.dp_shard=4", "--parallel.ep=2"]
+    cfg = load_config(REPO / "configs" / "moe.toml", [*overrides, "--training.micro_batch_size=4"])
+    layout = layout_from_config(cfg, 8)
+    assert (layout.ep, layout.moe_tp, layout.attention, layout.dp) == (4, "ep", "tp", 4)
+    assert layout_problem(job_from_config(cfg), layout) is None
+    printed = config_overrides(layout, "tp-dp-pp", moe=True)
+    assert "--parallel.moe_tp=ep --parallel.ep=2" in printed
+    assert "not by" in config_overrides(dataclasses.replace(layout, attention="sp"), "tp-dp-pp", moe=True)
+    whole = dataclasses.replace(layout, moe_tp="whole")
+    estimates = [
+        estimate_step(job_from_config(cfg), each, Features(), PROFILES["h100"], Cluster(8))
+        for each in (layout, whole)
+    ]
+    # Each tp rank computes its half of the slots instead of all of them.
+    assert estimates[0].terms_s["gemm"] < estimates[1].terms_s["gemm"]
 
 
 def test_megascale_plan_searches_expert_parallel_layouts_and_prints_their_overrides(capsys, monkeypatch):
