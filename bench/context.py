@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.*, run as a script
 
-from bench.ranks import run_ranks  # noqa: E402
 from bench.record import save_record  # noqa: E402
 from megascale.config import load_config  # noqa: E402
 from megascale.models.llama import Transformer  # noqa: E402
@@ -30,6 +29,7 @@ from megascale.parallel.context import shard_sequence  # noqa: E402
 from megascale.parallel.dims import ParallelDims  # noqa: E402
 from megascale.parallel.parallelize import parallelize  # noqa: E402
 from megascale.trainer import next_token_loss  # noqa: E402
+from tests.parallel.multiprocess import run_ranks  # noqa: E402
 
 MODEL = [
     "--model.dim=256",

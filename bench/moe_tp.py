@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record, run as a script
 
-from bench.ranks import run_ranks  # noqa: E402
 from bench.record import save_record  # noqa: E402
 from megascale.config import load_config  # noqa: E402
 from megascale.models.llama import Transformer  # noqa: E402
@@ -40,6 +39,7 @@ from megascale.models.moe import MoE  # noqa: E402
 from megascale.parallel.dims import ParallelDims  # noqa: E402
 from megascale.parallel.parallelize import parallelize  # noqa: E402
 from megascale.trainer import next_token_loss  # noqa: E402
+from tests.parallel.multiprocess import run_ranks  # noqa: E402
 
 WORLD = 2
 MODEL = [
@@ -104,7 +104,7 @@ def rank_job(kind: str, extra: list[str], warmup: int, steps: int) -> dict[str, 
 
 
 def run_job(kind: str, extra: list[str], warmup: int, steps: int, timeout_s: float) -> list[dict[str, float]]:
-    """`rank_job` on WORLD ranks forked from this process (bench/ranks.py)."""
+    """`rank_job` on WORLD ranks forked from this process (tests/parallel/multiprocess.py)."""
     return run_ranks(_rank_job, WORLD, kind, extra, warmup, steps, timeout_s=timeout_s)
 
 

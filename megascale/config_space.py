@@ -501,13 +501,18 @@ _PREREQUISITES: dict[str, dict[str, Any]] = {
 _MOE = {"model.moe.experts": 4}  # what every MoE knob but the expert count needs
 
 
+def _prerequisite_values(key: str) -> dict[str, Any]:
+    """What `key` needs set to make a difference (parallel.cp needs parallel.dp_shard = 2)."""
+    return _PREREQUISITES.get(key, _MOE if key.startswith("model.moe.") else {})
+
+
 def prerequisites(key: str) -> set[str]:
-    """The knobs `key` needs set to make a difference (parallel.cp needs parallel.dp_shard > 1)."""
-    return set(_PREREQUISITES.get(key, _MOE if key.startswith("model.moe.") else {}))
+    """The knobs `key` needs set to make a difference."""
+    return set(_prerequisite_values(key))
 
 
 def _activate(row: Row, key: str, rng: random.Random) -> None:
-    row.update(_PREREQUISITES.get(key, _MOE if key.startswith("model.moe.") else {}))
+    row.update(_prerequisite_values(key))
     if key == "parallel.overlap.pp" and row["parallel.pp_schedule"] == "gpipe":
         row["parallel.pp_schedule"] = rng.choice(("1f1b", "interleaved_1f1b"))
     if key in ("parallel.zero_stage", "parallel.overlap.dp", "parallel.rank_order") and not _dp(row):

@@ -153,7 +153,7 @@ def _mixtral_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
-    rope_theta = cfg.attention.rope_theta
+    rope_theta, scaling = cfg.attention.rope_theta, _rope_scaling_fields(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -168,8 +168,8 @@ def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         # transformers < 5 reads the top-level rope_theta and rope_scaling, >= 5 reads rope_parameters.
         "rope_theta": rope_theta,
-        "rope_parameters": {**_rope_scaling_fields(cfg), "rope_theta": rope_theta},
-        **({"rope_scaling": _rope_scaling_fields(cfg)} if cfg.attention.rope_scaling.type != "none" else {}),
+        "rope_parameters": {**scaling, "rope_theta": rope_theta},
+        **({"rope_scaling": scaling} if cfg.attention.rope_scaling.type != "none" else {}),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "hidden_act": "silu",

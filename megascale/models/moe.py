@@ -252,9 +252,6 @@ class MoE(nn.Module):
         counts = scores.new_zeros(batch, self.num_experts)
         counts.scatter_add_(1, chosen.reshape(batch, seq * k), scores.new_ones(batch, seq * k))
         summed = scores.sum(dim=1)
-        if self.sequences.parts == 1:
-            loss = self.num_experts * (counts / (seq * k) * summed / seq).sum(dim=1).mean()
-            return loss, loss.detach()
         whole = seq * self.sequences.parts
         counts, summed_whole = self.sequences.total(torch.cat([counts, summed.detach()], 1)).split(
             self.num_experts, 1
