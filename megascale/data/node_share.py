@@ -27,6 +27,9 @@ its position is the one it wants. One it does not want yet is kept (a bounded nu
 first): after a checkpoint load moves the stream, the reader and a taker move at slightly different
 times, and a taker still on the old stream must not lose the batches the reader already published for
 the new one; batches of the old stream published after the taker moved are kept and never asked for.
+The taker also keeps the last batches it returned: its prefetch thread may have taken a batch of the new
+stream while still working for the old one, then been stopped with that batch in hand (a stopped
+prefetcher drops what it made), and the reader publishes each position of a stream once.
 Python's multiprocessing.shared_memory was not used: its resource tracker unlinks a segment when a
 process that merely attached exits (before Python 3.13), and a named segment outlives a crash.
 """
@@ -322,12 +325,18 @@ class RingReader:
         # prefetch depth plus the ring ahead of this rank: within 4 x slots unless they are out of step.
         self.early: dict[int, np.ndarray] = {}
         self.max_early = 4 * slots
+        # The last batches returned, oldest first: asked for again when the prefetch thread that took one
+        # was stopped before handing it over (a checkpoint load), with the reader's announcement used up.
+        self.returned: dict[int, np.ndarray] = {}
+        self.max_returned = slots
 
     def take(self, position: int) -> np.ndarray:
         """A copy of the batch for stream `position`: kept from earlier, or the next one published for it
         (keeping those published for other positions meanwhile)."""
         if position in self.early:
-            return self.early.pop(position)
+            return self._returning(position, self.early.pop(position))
+        if position in self.returned:
+            return self._returning(position, self.returned.pop(position))
         self.waiting_position = position
         for _ in range(self.max_early + 1):
             slot, published_position = ANNOUNCE.unpack(self._next_announcement())
@@ -337,7 +346,7 @@ class RingReader:
                 self.connection.sendall(ACK)
             if published_position == position:
                 self.waiting_position = None
-                return rows
+                return self._returning(position, rows)
             self.early[published_position] = rows
             if len(self.early) > self.max_early:
                 del self.early[next(iter(self.early))]
@@ -346,6 +355,13 @@ class RingReader:
             f"reader, rank {self.group.reader}, published {self.max_early + 1} others (the last at "
             f"{published_position}); the two are out of step (did only some ranks load a checkpoint?)"
         )
+
+    def _returning(self, position: int, rows: np.ndarray) -> np.ndarray:
+        """`rows`, noted as the last returned for `position`; the caller gets its own copy."""
+        self.returned[position] = rows
+        if len(self.returned) > self.max_returned:
+            del self.returned[next(iter(self.returned))]
+        return rows.copy()
 
     def _next_announcement(self) -> bytes:
         deadline = None if self.wait_timeout_s is None else time.monotonic() + self.wait_timeout_s
