@@ -193,7 +193,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        weights, chosen, scores = self.router(flat)
+        output = self._routed(flat, *self.router(flat), seq).view(batch, seq, dim).to(x.dtype)
+        if self.shared is not None:
+            output = output + self.shared(x)
+        return output
+
+    # Left out of torch.compile: how many slots each expert gets changes every step, and so do the shapes
+    # from here to the combine; compiled, each new count is a recompilation and each data-dependent size a
+    # graph break. The router and the shared experts before and after it are compiled with the block.
+    @torch.compiler.disable
+    def _routed(
+        self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, scores: torch.Tensor, seq: int
+    ) -> torch.Tensor:
+        """The routed experts' output for tokens `flat` [tokens, dim] routed as `chosen` with `weights`,
+        [tokens, dim], the step's load counted and the balancing loss attached (training)."""
+        dim = flat.shape[-1]
         slots = chosen.flatten()
         order = slots.argsort(stable=True)  # slot positions grouped by expert, in token order
         routed_counts = torch.bincount(slots, minlength=self.num_experts)
@@ -201,9 +215,6 @@ class MoE(nn.Module):
         routed = self.experts(flat[order // self.top_k], counts)
         output = routed.new_zeros(slots.numel(), dim).index_copy(0, order, routed)
         output = (output.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(output.dtype)).sum(dim=1)
-        output = output.view(batch, seq, dim).to(x.dtype)
-        if self.shared is not None:
-            output = output + self.shared(x)
         if _aux_loss_scale is None or not self.training:
             return output
         # Counted once per forward: not again when activation checkpointing recomputes it in the backward.
@@ -212,6 +223,7 @@ class MoE(nn.Module):
                 self.load += routed_counts.to(self.load.dtype)
                 self.dropped += slots.numel() - order.numel()
         if self.aux_loss_coeff and torch.is_grad_enabled():  # the recomputation builds the same graph
+            batch = flat.shape[0] // seq
             loss, value = self.balance_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1))
             if torch._C._current_graph_task_id() == -1:
                 with torch.no_grad():

@@ -263,3 +263,24 @@ def test_top_1_with_normalised_weights_gives_the_router_an_exactly_zero_gradient
     assert gate is not None and torch.count_nonzero(gate) == 0
     weights, _, _ = layer.router(x.view(-1, 32))
     assert torch.equal(weights, torch.ones_like(weights))
+
+
+def test_a_compiled_layer_compiles_once_whatever_the_routing_and_matches_eager():
+    """Each batch routes a different number of slots to each expert: compiled, the layer is traced once
+    (the routed part runs eager) and gives the eager layer's output, loss and gradients. Before the
+    routed part was left out, each new count recompiled it, and its data-dependent sizes broke the graph
+    in a dozen places."""
+    layer = _layer("--model.moe.capacity_factor=1.0", "--model.moe.aux_loss_coeff=0.01")
+    compiled = copy.deepcopy(layer)
+    compiled.compile()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            x = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(seed))
+            for module in (layer, compiled):
+                with training_step(aux_loss_scale=1.0):
+                    module.train()(x).square().mean().backward()
+            torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-6)
+    for (name, got), want in zip(compiled.named_parameters(), layer.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(compiled.load, layer.load) and torch.equal(compiled.dropped, layer.dropped)
