@@ -3,8 +3,11 @@
 A ring all-gather or reduce-scatter over n ranks sends (n - 1)/n of the full tensor through each rank's link
 in n - 1 latency-bound steps; an all-reduce is the two back to back; an all-to-all sends each peer its
 part directly. A group whose ranks all sit in one node uses the intra-node link (NVLink; shared memory for
-gloo on one host), any other its NIC: with one NIC per GPU wired multi-rail (paper §3.6) every device
-drives its own, so the NIC rate per device bounds the ring. Which ranks share a node follows from the rank
+gloo on one host), any other the NICs: one NIC per GPU wired multi-rail (paper §3.6). A ring over nodes
+is as fast as the NICs it crosses between them. When a node holds k of the group's ranks, NCCL runs k rings
+at once (one per NIC, each with 1/k of the data, the rest of each ring inside the node over NVLink), so the
+group moves data between nodes at k NICs' rate, up to NVLink's; a group with one rank per node (data
+parallelism beside 8-way tensor parallelism) has one NIC's. Which ranks share a node follows from the rank
 order (`megascale.plan.placement`).
 """
 
@@ -18,20 +21,39 @@ def group_spans_nodes(stride: int, size: int, devices_per_node: int) -> bool:
     return size > 1 and stride * size > devices_per_node
 
 
-def link(profile: HardwareProfile, cross_node: bool) -> tuple[float, float]:
-    """(bytes/s achieved by a collective, latency in s) of the link a group uses."""
+def rails(stride: int, size: int, devices_per_node: int) -> int:
+    """NICs a node drives at once for a ring over a group of `size` ranks spaced `stride` apart: one per
+    rank of the group the node holds."""
+    return max(1, min(size, devices_per_node // stride))
+
+
+def link(profile: HardwareProfile, cross_node: bool, nics: int = 1) -> tuple[float, float]:
+    """(bytes/s achieved by a collective, latency in s) of the link a group uses; across nodes, `nics`
+    NICs of each node at once (`rails`), up to the intra-node link's rate."""
+    intra = profile.intra_node_bytes_per_s * profile.network_efficiency
     if cross_node:
-        return profile.inter_node_bytes_per_s * profile.network_efficiency, profile.inter_node_latency_s
-    return profile.intra_node_bytes_per_s * profile.network_efficiency, profile.intra_node_latency_s
+        inter = nics * profile.inter_node_bytes_per_s * profile.network_efficiency
+        return min(inter, intra), profile.inter_node_latency_s
+    return intra, profile.intra_node_latency_s
+
+
+def group_gather_or_scatter_seconds(
+    full_bytes: float, stride: int, ranks: int, profile: HardwareProfile
+) -> float:
+    """A ring all-gather (or reduce-scatter) whose gathered tensor is `full_bytes`, over `ranks` ranks
+    spaced `stride` apart."""
+    cross = group_spans_nodes(stride, ranks, profile.devices_per_node)
+    nics = rails(stride, ranks, profile.devices_per_node)
+    return gather_or_scatter_seconds(full_bytes, ranks, profile, cross, nics)
 
 
 def gather_or_scatter_seconds(
-    full_bytes: float, ranks: int, profile: HardwareProfile, cross_node: bool
+    full_bytes: float, ranks: int, profile: HardwareProfile, cross_node: bool, nics: int = 1
 ) -> float:
     """A ring all-gather (or reduce-scatter) whose gathered tensor is `full_bytes`."""
     if ranks <= 1:
         return 0.0
-    bandwidth, latency = link(profile, cross_node)
+    bandwidth, latency = link(profile, cross_node, nics)
     return (ranks - 1) * latency + (ranks - 1) / ranks * full_bytes / bandwidth
 
 

@@ -43,6 +43,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: trainer on --hardware cpu, megascale otherwise.",
     )
     parser.add_argument("--batch", type=int, help="Global batch in sequences (default: the config's).")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="Compute precision, whose peak MFU divides by (default: bfloat16 on GPUs, whatever a config "
+        "sets; the config's training.dtype on --hardware cpu).",
+    )
+    parser.add_argument(
+        "--nic-gbps",
+        type=float,
+        help="NIC rate per GPU in Gb/s, one direction (default: the profile's: 200 on A100, 400 on H-class).",
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, help="GPUs per node sharing NVLink (default: the profile's, 8)."
+    )
+    parser.add_argument(
+        "--straggler-hosts",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="Share of hosts that compute slower (the MegaScale paper saw about 0.005, §5.1); default 0: a "
+        "healthy cluster.",
+    )
+    parser.add_argument(
+        "--straggler-slowdown",
+        type=float,
+        default=0.10,
+        metavar="FRACTION",
+        help="How much slower a straggling host computes (default 0.10, the paper's §6.3).",
+    )
     parser.add_argument("--top", type=int, default=5, help="How many layouts to print (default 5).")
     parser.add_argument("--tp", type=int, help="Only layouts with this tensor-parallel degree.")
     parser.add_argument("--pp", type=int, help="Only layouts with this many pipeline stages.")
@@ -58,8 +87,21 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan; a ConfigError (one line) for anything the user can fix."""
     from megascale.plan.report import plan_and_render  # torch and the model come in here, not in the parser
 
-    for flag, value in (("--devices", args.devices), ("--top", args.top), ("--batch", args.batch)):
+    for flag, value in (
+        ("--devices", args.devices),
+        ("--top", args.top),
+        ("--batch", args.batch),
+        ("--gpus-per-node", args.gpus_per_node),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"plan: {flag} {value} must be >= 1")
+    if args.nic_gbps is not None and args.nic_gbps <= 0:
+        raise ConfigError(f"plan: --nic-gbps {args.nic_gbps} must be > 0")
+    for flag, value in (
+        ("--straggler-hosts", args.straggler_hosts),
+        ("--straggler-slowdown", args.straggler_slowdown),
+    ):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"plan: {flag} {value} must be between 0 and 1")
     sys.stdout.write(plan_and_render(args))
     return 0

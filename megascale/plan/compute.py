@@ -7,6 +7,9 @@ Three kinds of work, each timed by what limits it:
 - Attention's two score matmuls, in a FlashAttention kernel that skips the masked half of a causal square:
   FlashAttention-2 (paper §3.3) at an achieved fraction of peak, FlashAttention-1 (what a system without
   the paper's operators runs) at half that speed. A sliding window (paper §3.1) caps the keys per query.
+  Before FlashAttention (Megatron-LM until 2022) the scores were materialised: both matmuls over the
+  whole square as batched GEMMs, and the square's elements through memory by the softmax, the dropout
+  and the matmuls that read them (`MATERIALIZED_BYTES_*`); selective recomputation redoes all of it.
 - Element-wise work (norms, activations, dropout, residual adds): bytes through HBM; fusing LayerNorm and
   GeLU (paper §3.3) halves the number of passes.
 On a CPU the host dispatches every operator and waits for it, so a measured per-block host time is added;
@@ -29,6 +32,14 @@ ELEMENTWISE_PASSES_UNFUSED = 72
 ELEMENTWISE_PASSES_FUSED = 36
 # FlashAttention-2 is "around 2x faster than FlashAttention" (Dao 2023, arXiv 2307.08691, abstract).
 FLASH_ATTENTION_1_SPEED = 0.5
+# Bytes moved per element of a materialised [heads, s, s] score square at 2-byte activations (Megatron-LM's
+# fused scale-mask-softmax, then dropout): forward, the scores written (2), read and the probabilities
+# written by the softmax (4), read and written by the dropout with its 1-byte mask (5), read by the second
+# matmul (2); backward, the probabilities' gradient written (2) and the probabilities read for the values'
+# gradient (2), the dropout's backward (5), the softmax's (6), the scores' gradient read by the two matmuls
+# (4). The square kept for the backward is Korthikanti et al.'s 5 a s^2 b bytes per layer (2022, Eq. 1).
+MATERIALIZED_BYTES_FORWARD = 13
+MATERIALIZED_BYTES_BACKWARD = 19
 
 
 @dataclass(frozen=True)
@@ -92,10 +103,17 @@ def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile)
 
 
 def block_time(
-    job: Job, layout: Layout, profile: HardwareProfile, fused_kernels: bool, moe: MoEWork | None = None
+    job: Job,
+    layout: Layout,
+    profile: HardwareProfile,
+    fused_kernels: bool,
+    moe: MoEWork | None = None,
+    attention_kernel: str = "flash",
 ) -> BlockTime:
     """One block, one micro-batch, forward + backward (and recomputation), on one device; with `moe`,
-    a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`)."""
+    a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`). The attention runs in
+    FlashAttention-2 with `fused_kernels`, else in `attention_kernel`: FlashAttention-1 ("flash") or
+    over materialised scores ("materialized")."""
     model, dtype = job.model, job.dtype
     tokens = layout.micro_batch * job.seq_len
     gemm_s = attention_linear_seconds(job, layout, profile)
@@ -105,7 +123,8 @@ def block_time(
         gemm_s += _gemms_seconds(mlp_shapes(model, 1), tokens / layout.tp, profile, dtype)
     else:
         gemm_s += _gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
-    attention_fwd_s = _attention_forward_seconds(job, layout, profile, fused_kernels)
+    kernel = "flash2" if fused_kernels else attention_kernel
+    attention_fwd_s, attention_bwd_s = _attention_seconds(job, layout, profile, kernel)
     passes = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
     shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
     elementwise_s = (
@@ -121,7 +140,9 @@ def block_time(
     # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
     full = layout.recompute == "full"
     recompute_s = (gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s if full else 0.0
-    return BlockTime(gemm_s, 3 * attention_fwd_s, elementwise_s, host_s, recompute_s)
+    if layout.recompute == "selective" and kernel == "materialized":
+        recompute_s = attention_fwd_s
+    return BlockTime(gemm_s, attention_fwd_s + attention_bwd_s, elementwise_s, host_s, recompute_s)
 
 
 def keys_per_query(seq_len: int, window: int | None) -> float:
@@ -130,18 +151,30 @@ def keys_per_query(seq_len: int, window: int | None) -> float:
     return (span * (span + 1) / 2 + (seq_len - span) * span) / seq_len
 
 
-def _attention_forward_seconds(job: Job, layout: Layout, profile: HardwareProfile, fused: bool) -> float:
-    """The two score matmuls of one forward in a FlashAttention kernel, which skips masked blocks:
-    FlashAttention-2 with the optimised operators, else FlashAttention-1 at half its speed."""
+def _attention_seconds(
+    job: Job, layout: Layout, profile: HardwareProfile, kernel: str
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of one block and micro-batch: in a FlashAttention
+    kernel ("flash2", "flash" at half its speed), whose backward costs two forwards, or over materialised
+    scores ("materialized")."""
     model = job.model
     heads = model.attention.n_heads // layout.tp
     head_dim = head_dim_of(model)
+    if kernel == "materialized":
+        square = layout.micro_batch * heads * job.seq_len**2
+        matmuls_s = gemm_seconds(4.0 * square * head_dim, profile, job.dtype)  # both, over the whole square
+        memory_s = square * job.precision.activation_bytes / 2 / profile.hbm_bytes_per_s
+        return (
+            matmuls_s + MATERIALIZED_BYTES_FORWARD * memory_s,
+            2 * matmuls_s + MATERIALIZED_BYTES_BACKWARD * memory_s,
+        )
     keys = keys_per_query(job.seq_len, model.attention.window)
     flops = 4 * layout.micro_batch * job.seq_len * keys * heads * head_dim
-    efficiency = profile.attention_efficiency * (1.0 if fused else FLASH_ATTENTION_1_SPEED)
+    efficiency = profile.attention_efficiency * (1.0 if kernel == "flash2" else FLASH_ATTENTION_1_SPEED)
     if profile.attention_half_flops:  # small kernels (few heads per rank) fill fewer of the device's units
         efficiency *= 3 * flops / (3 * flops + profile.attention_half_flops)
-    return flops / (profile.peak_flops(job.dtype) * efficiency)
+    forward_s = flops / (profile.peak_flops(job.dtype) * efficiency)
+    return forward_s, 2 * forward_s
 
 
 def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:

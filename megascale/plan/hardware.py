@@ -70,7 +70,6 @@ class HardwareProfile:
     dp_update_layer_overhead_s: float
     tp_update_model_overhead_s: float
     dp_update_model_overhead_s: float
-    step_seconds_per_param: float  # per-step work over every weight a device holds that nothing overlaps
     source: str
 
     def peak_flops(self, dtype: str) -> float:
@@ -86,7 +85,10 @@ def _peaks(device: str) -> dict[str, float]:
 
 
 # Calibration constants shared by the GPU profiles (docs/planning.md, "Calibration constants"):
-# - A large bf16 GEMM reaches 70-80% of the tensor-core peak in practice; GEMMs under ~1 GFLOP fall off.
+# - A large bf16 GEMM: 0.68 of the tensor-core peak, the one constant fitted on the MegaScale paper's
+#   tables (Table 2, Figure 9; nothing else is fitted), inside the 70-80% a lone large GEMM reaches
+#   (the step's GEMMs run beside communication kernels and at a lower clock under sustained load); GEMMs
+#   under ~1 GFLOP fall off.
 # - FlashAttention-2 reaches 50-73% of peak forward+backward on A100 (Dao 2023, arXiv 2307.08691, Fig. 6).
 # - NCCL ring collectives reach about 80% of the link rate as bus bandwidth (nccl-tests' busbw definition).
 # - Causal attention (torch's SDPA, FlashAttention-2) forward + backward at sequence 8192, head size 128 on
@@ -96,11 +98,8 @@ def _peaks(device: str) -> dict[str, float]:
 #   operators added 0.22-0.29 of the grouped GEMMs' time, at the two shapes of plan/paper_moe.py on one
 #   H100 in bf16 (bench/kernel_efficiency.py, bench/results/h100/kernel_efficiency.json; docs/gpu.md).
 # - NCCL small-message latency: a few microseconds over NVLink, about 10 us across RDMA.
-# - Per-step work over every weight a device holds (zeroing gradient buffers, norms, inf checks, weight
-#   copies): 1.8e-10 s per parameter, 0.5 s for the 175B layout's 2.7B per GPU, fitted once on Table 2's
-#   Megatron-LM rows (the intercept of step time against micro-batches).
 _GPU_CONSTANTS: dict[str, Any] = dict(
-    gemm_efficiency=0.72,
+    gemm_efficiency=0.68,
     gemm_half_flops=2e9,
     attention_efficiency=0.55,
     attention_half_flops=0.0,
@@ -122,7 +121,6 @@ _GPU_CONSTANTS: dict[str, Any] = dict(
     tp_update_model_overhead_s=0.0,
     dp_update_model_overhead_s=0.0,
     host_cores=0,
-    step_seconds_per_param=1.8e-10,
     intra_node_latency_s=5e-6,
     inter_node_latency_s=12e-6,
     devices_per_node=8,

@@ -100,9 +100,13 @@ class Features:
     """Which of the system's optimisations are on (paper §3); all off is Megatron-LM as the paper ran it."""
 
     tp_overlap: bool = False  # chunked all-gather/GEMM and GEMM/reduce-scatter (§3.2, Fig. 3)
+    tp_overlap_attention: bool = False  # ... of the attention's projections too in a serial block
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
+    # The attention kernel without them: FlashAttention-1 ("flash": Megatron-LM as the paper ran it) or
+    # materialised scores ("materialized": Megatron-LM before FlashAttention, 2021-2022).
+    attention_kernel: str = "flash"
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
     # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
     # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep).
@@ -114,6 +118,9 @@ class Features:
     moe_tp: tuple[str, ...] = ("split",)
     moe_attention: str = "sp"
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
+    # Without sequence parallelism each tp rank sends only its slice of a pipeline transfer (Megatron-LM's
+    # scatter/gather); megascale's trainer sends the whole tensor from each.
+    pp_scatter_gather: bool = True
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
 
 
@@ -134,7 +141,9 @@ MEGASCALE = Features(
 
 # megascale's own trainer: FSDP2 synchronises every micro-batch; no overlap is modelled (on CPU, gloo
 # collectives and compute share the same cores).
-MEGASCALE_TRAINER = Features(dp_sync_per_micro_batch=True, moe_tp=("whole", "ep"), moe_attention="tp")
+MEGASCALE_TRAINER = Features(
+    dp_sync_per_micro_batch=True, moe_tp=("whole", "ep"), moe_attention="tp", pp_scatter_gather=False
+)
 
 
 @dataclass(frozen=True)

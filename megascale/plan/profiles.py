@@ -136,7 +136,6 @@ def measured_profile(
         update_layer_overhead_s=measured["update_block_host_s"],
         update_model_overhead_s=measured["update_model_host_s"],
         host_cores=max(1, cores // threads),
-        step_seconds_per_param=0.0,  # measured as the update's host times
         source=source,
     )
 

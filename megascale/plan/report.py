@@ -25,7 +25,6 @@ from megascale.plan.job import (
     job_from_config,
     layout_from_config,
 )
-from megascale.plan.paper import STRAGGLER_HOST_FRACTION, STRAGGLER_SLOWDOWN
 from megascale.plan.placement import choose_rank_order
 from megascale.plan.profiles import profile_named
 from megascale.plan.search import MEMORY_HEADROOM, Plan, memory_limit_bytes, search
@@ -41,7 +40,8 @@ GROUPS = {
 EXPLAIN = {
     "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
     "6 x tokens x weights FLOPs, each GEMM at the efficiency its size earns",
-    "attention": "score matmuls in a FlashAttention kernel (v2 with fused kernels, else v1 at half speed)",
+    "attention": "score matmuls: FlashAttention-2 with fused kernels, else FlashAttention-1 at half its "
+    "speed or materialised scores (their memory traffic counted)",
     "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
     "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs",
     "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
@@ -52,7 +52,7 @@ EXPLAIN = {
     "ep_exposed": "expert-parallel dispatch and combine all-to-alls not hidden behind the experts' GEMMs",
     "pp_exposed": "blocking pipeline sends/receives (none with PP overlap)",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
-    "stragglers": "expected wait for the slowest host (0.5% of hosts 10% slower, paper §5.1, §6.3)",
+    "stragglers": "expected wait for the slowest host (--straggler-hosts, --straggler-slowdown)",
     "core_sharing": "too few CPU cores: all processes' core time over the cores, past the critical path",
     "dp_exposed": "gradient reduce-scatter and weight all-gather(s) not hidden behind compute",
     "optimizer": "update (norm, clipping, optimizer step): memory traffic and host dispatch, not overlapped",
@@ -63,11 +63,13 @@ EXPLAIN = {
 def plan_and_render(args) -> str:
     """The plan for `megascale plan`'s parsed arguments (see megascale.plan.command), as text."""
     cfg = load_config(args.config, getattr(args, "overrides", []))
-    profile = profile_named(args.hardware, threads=cfg.training.threads or 1)
+    profile = _with_network(profile_named(args.hardware, threads=cfg.training.threads or 1), args)
     system = args.system or ("trainer" if args.hardware == "cpu" else "megascale")
     job = _job(cfg, args.batch, system)
-    stragglers = (0.0, 0.0) if args.hardware == "cpu" else (STRAGGLER_HOST_FRACTION, STRAGGLER_SLOWDOWN)
-    cluster = Cluster(args.devices, *stragglers)
+    on_gpu = args.hardware != "cpu"
+    dtype = args.dtype or ("bfloat16" if on_gpu and cfg.training.dtype == "float32" else cfg.training.dtype)
+    job = dataclasses.replace(job, dtype=dtype)
+    cluster = Cluster(args.devices, args.straggler_hosts, args.straggler_slowdown)
     features = SYSTEMS[system]
     if args.config_layout:
         layout = _config_layout(cfg, args.devices, job)
@@ -76,6 +78,38 @@ def plan_and_render(args) -> str:
         fixed = {key: getattr(args, key) for key in ("tp", "pp") if getattr(args, key) is not None}
         plans = search(job, cluster, profile, features, fixed, skip_selective=features.fused_kernels)
     return render(job, plans[: args.top], profile, cluster, system, args.explain)
+
+
+def _with_network(profile: HardwareProfile, args) -> HardwareProfile:
+    """The profile with the command line's NIC rate and GPUs per node, where given."""
+    changes: dict = {}
+    if getattr(args, "nic_gbps", None):
+        changes["inter_node_bytes_per_s"] = args.nic_gbps * 1e9 / 8
+    if getattr(args, "gpus_per_node", None):
+        changes["devices_per_node"] = args.gpus_per_node
+    return dataclasses.replace(profile, **changes) if changes else profile
+
+
+def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: str) -> str:
+    """The line above every answer: what the prediction takes as given."""
+    features = SYSTEMS[system]
+    overlaps = [name for name in ("tp", "pp", "dp") if getattr(features, f"{name}_overlap")]
+    overlaps += ["ep"] if features.ep_overlap != "none" else []
+    attention = "FlashAttention-2" if features.fused_kernels else features.attention_kernel
+    stragglers = (
+        f"{cluster.straggler_host_fraction:.3g} of hosts {cluster.straggler_slowdown:.0%} slower"
+        if cluster.straggler_host_fraction
+        else "none"
+    )
+    return (
+        f"assumed: {job.dtype} at {profile.peak_flops(job.dtype) / 1e12:.4g} TFLOP/s peak per device; "
+        f"{profile.devices_per_node} per node, intra-node {profile.intra_node_bytes_per_s / 1e9:.4g} GB/s "
+        f"and "
+        f"NIC {profile.inter_node_bytes_per_s * 8 / 1e9:.4g} Gb/s per device at "
+        f"{profile.network_efficiency:.0%} efficiency; overlapped: {', '.join(overlaps) or 'nothing'}; "
+        f"attention {attention}; host stall {0.0 if features.async_data else features.host_overhead_s:g} s; "
+        f"stragglers {stragglers}"
+    )
 
 
 def _job(cfg: JobConfig, batch: int | None, system: str) -> Job:
@@ -134,6 +168,7 @@ def render(
         f"{_millions(num_params(model))} parameters, {flops_per_token(model, job.seq_len):.3e} FLOPs/token, "
         f"batch {job.global_batch} x {job.seq_len} tokens on {cluster.devices:,} x {profile.name}, "
         f"system {system}",
+        assumptions(job, profile, cluster, system),
         f"{'#':>2}  {'layout':<42} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'memory GB':>10}  "
         + "  ".join(f"{group:>7}" for group in GROUPS),
     ]

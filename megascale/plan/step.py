@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from megascale.config import head_dim_of
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token
-from megascale.plan.comm import all_to_all_seconds, gather_or_scatter_seconds, group_spans_nodes, send_seconds
+from megascale.plan.comm import (
+    all_to_all_seconds,
+    gather_or_scatter_seconds,
+    group_gather_or_scatter_seconds,
+    group_spans_nodes,
+    send_seconds,
+)
 from megascale.plan.compute import (
     BlockTime,
     attention_linear_seconds,
@@ -79,11 +85,12 @@ def estimate_step(
     model, m = job.model, layout.micro_batches(job)
     blocks = model.n_layers / layout.pp
     moe_blocks = min(blocks, moe_layers(model))  # the slowest stage holds MoE blocks first
-    dense = block_time(job, layout, profile, features.fused_kernels)
+    dense = block_time(job, layout, profile, features.fused_kernels, None, features.attention_kernel)
     kinds: list[tuple[float, BlockTime, MoEWork | None]] = [(blocks - moe_blocks, dense, None)]
     if moe_blocks:
         moe = moe_work(job, layout, profile, _gemm(job, profile))
-        kinds.append((moe_blocks, block_time(job, layout, profile, features.fused_kernels, moe), moe))
+        moe_block = block_time(job, layout, profile, features.fused_kernels, moe, features.attention_kernel)
+        kinds.append((moe_blocks, moe_block, moe))
 
     def per_micro_batch(seconds: Callable[[BlockTime, MoEWork | None], float]) -> float:
         return sum(count * seconds(block, moe) for count, block, moe in kinds)
@@ -95,12 +102,12 @@ def estimate_step(
         lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap) if moe else 0.0
     )
     output_s = output_layer_seconds(job, layout, profile)
-    pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile)
+    pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile, features)
     compute_s = per_micro_batch(lambda block, moe: block.total_s)
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + output_s + pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
-    dp_exposed_s = _dp_exposed_seconds(job, layout, profile, features, m * micro_batch_s)
+    dp_exposed_s = _dp_exposed_seconds(job, layout, profile, features, micro_batch_s)
     terms = {
         "gemm": m * per_micro_batch(lambda block, moe: block.gemm_s),
         "attention": m * per_micro_batch(lambda block, moe: block.attention_s),
@@ -186,7 +193,10 @@ def _megatron_tp_exposed_seconds(
     comm_s = collectives * gather_or_scatter_seconds(payload, layout.tp, profile, cross)
     if not features.tp_overlap:
         return comm_s
-    fused_share = 1.0 if job.model.block == "parallel" else 0.5  # a serial block fuses only the MLP's pair
+    # A serial block fuses only the MLP's pair (paper §3.2), unless the attention's projections are fused
+    # too (Megatron-Core's overlap of every tensor-parallel GEMM with its collective).
+    serial_too = features.tp_overlap_attention
+    fused_share = 1.0 if job.model.block == "parallel" or serial_too else 0.5
     fused_s = fused_share * comm_s
     exposed_fused_s = fused_s / TP_OVERLAP_CHUNKS + max(0.0, fused_s - fused_share * gemm_s)
     return comm_s - fused_s + exposed_fused_s
@@ -206,12 +216,14 @@ def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: Hard
     return passes * sum(all_to_all_seconds(payload, layout.tp, 1, profile) for payload in (qkv, out))
 
 
-def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Features) -> float:
     """Blocking p2p seconds per micro-batch on a stage: a receive/send pair per chunk, forward and
-    backward."""
+    backward. Each tp rank sends its share of the activations: its sequence shard under sequence
+    parallelism, else its slice of the replicated tensor (Megatron-LM's scatter/gather, SC'21 §4.1),
+    which the receiving ranks all-gather over NVLink."""
     if layout.pp == 1:
         return 0.0
-    shard = layout.tp if layout.sequence_parallel else 1
+    shard = layout.tp if layout.sequence_parallel or features.pp_scatter_gather else 1
     payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes / shard
     cross = group_spans_nodes(layout.tp * layout.dp, layout.pp, profile.devices_per_node)
     return 2 * layout.virtual_stages * send_seconds(payload, profile, cross)
@@ -250,41 +262,54 @@ def _straggler_slowdown(cluster: Cluster, profile: HardwareProfile) -> float:
 
 
 def _dp_exposed_seconds(
-    job: Job, layout: Layout, profile: HardwareProfile, features: Features, compute_s: float
+    job: Job, layout: Layout, profile: HardwareProfile, features: Features, micro_batch_s: float
 ) -> float:
     """Data-parallel seconds per step on the critical path: the gradient reduce-scatter and the weight
-    all-gather(s) of each data-parallel group (the routed experts have their own), less what overlaps
-    `compute_s`."""
+    all-gather(s) of each data-parallel group (the routed experts have their own), one collective per block
+    and one for the rest of the model, less what overlaps compute.
+
+    Overlapped, a pipeline (pp > 1) leaves the last model chunk's reduce-scatter exposed, 1/(2v) of the
+    traffic (paper §3.2). Without a pipeline, the collectives go block by block (FSDP's units, DDP's and
+    Megatron's buckets), each behind the next block's compute, so one block's share stays exposed -- as
+    long as the compute they can hide behind lasts: one micro-batch's forward and backward (gradients are
+    reduced after the step's last micro-batch, weights gathered for its first), or, where they are synced
+    every micro-batch (FSDP with ZeRO-2/3), each micro-batch's own."""
     precision = job.precision
     gathers = 2 if layout.zero_stage >= 3 else 1  # ZeRO-3 gathers the weights again for the backward
-    units = job.model.n_layers / layout.pp + 1  # one collective per block (FSDP unit) and one for the rest
+    units = job.model.n_layers / layout.pp + 1
     sync_s = 0.0
     for group in stage_param_groups(job, layout):
         if group.ranks == 1:
             continue
-        cross = group_spans_nodes(group.stride, group.ranks, profile.devices_per_node)
         sync_s += sum(
-            gather_or_scatter_seconds(group.params * nbytes / units, group.ranks, profile, cross) * units
+            group_gather_or_scatter_seconds(group.params * nbytes / units, group.stride, group.ranks, profile)
+            * units
             for nbytes in (precision.grad_bytes, *[precision.weight_bytes] * gathers)
         )
+    m = layout.micro_batches(job)
     per_micro_batch = features.dp_sync_per_micro_batch and layout.zero_stage >= 2  # ZeRO-1: once a step
-    total_s = sync_s * (layout.micro_batches(job) if per_micro_batch else 1)
+    total_s = sync_s * (m if per_micro_batch else 1)
     if not features.dp_overlap or not total_s:
         return total_s
-    return max(total_s / (2 * layout.virtual_stages), total_s - compute_s)
+    if layout.pp > 1:
+        return max(total_s / (2 * layout.virtual_stages), total_s - m * micro_batch_s)
+    if per_micro_batch:
+        return m * max(sync_s / units, sync_s - micro_batch_s)
+    return max(sync_s / units, sync_s - micro_batch_s)
 
 
 def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
-    """The update streams this device's shard of gradients, master weights and moments through memory;
-    the per-step work over all the weights it holds (gradient buffers zeroed, norms, inf checks, weight
-    copies, each a launch or a sync of its own) costs the profile's seconds per parameter; on a host that
-    dispatches every operator (a CPU) the norm, clipping and optimizer step cost measured host seconds per
-    block held, more when the weights are DTensors (TP, FSDP)."""
+    """The update, as memory traffic (Adam's update is bandwidth-bound): each parameter this device owns
+    (its shard under ZeRO) has its gradient read, its master weight and two moments read and written, and
+    its low-precision weight written; every gradient it holds is zeroed and read once more for the
+    gradient norm. On a host that dispatches every operator (a CPU) the norm, clipping and optimizer step
+    cost measured host seconds per block held, more when the weights are DTensors (TP, FSDP)."""
     precision = job.precision
     groups = stage_param_groups(job, layout)
-    params = sum(group.params / (group.ranks if layout.zero_stage >= 1 else 1) for group in groups)
-    touched = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.weight_bytes
-    held = sum(group.params for group in groups)
+    owned = sum(group.params / (group.ranks if layout.zero_stage >= 1 else 1) for group in groups)
+    held_grads = sum(group.params / (group.ranks if layout.zero_stage >= 2 else 1) for group in groups)
+    update_bytes = owned * (precision.grad_bytes + 2 * precision.optimizer_bytes + precision.weight_bytes)
+    grad_bytes = held_grads * 2 * precision.grad_bytes
     per_block_s = profile.update_layer_overhead_s
     per_block_s += profile.tp_update_layer_overhead_s if layout.tp > 1 else 0.0
     per_block_s += profile.dp_update_layer_overhead_s if layout.dp > 1 else 0.0
@@ -292,4 +317,4 @@ def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> fl
     rest_s += profile.tp_update_model_overhead_s if layout.tp > 1 else 0.0
     rest_s += profile.dp_update_model_overhead_s if layout.dp > 1 else 0.0
     host_s = job.model.n_layers / layout.pp * per_block_s + rest_s
-    return params * touched / profile.hbm_bytes_per_s + held * profile.step_seconds_per_param + host_s
+    return (update_bytes + grad_bytes) / profile.hbm_bytes_per_s + host_s

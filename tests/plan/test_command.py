@@ -89,6 +89,9 @@ def test_overrides_change_the_model(capsys):
             ["--devices", "8", "--parallel.dp_shard=4", "--parallel.cp=2", "--config-layout"],
             "plan: parallel.cp = 2: context parallelism is not in the cost model yet",
         ),
+        (["--devices", "8", "--nic-gbps", "0"], "plan: --nic-gbps 0.0 must be > 0"),
+        (["--devices", "8", "--gpus-per-node", "0"], "plan: --gpus-per-node 0 must be >= 1"),
+        (["--devices", "8", "--straggler-hosts", "2"], "plan: --straggler-hosts 2.0 must be between 0 and 1"),
     ],
 )
 def test_mistakes_are_one_line_naming_the_flag_and_the_fix(capsys, argv, message):
@@ -102,3 +105,22 @@ def test_every_plan_flag_has_help():
     plan_parser = parser._subparsers._group_actions[0].choices["plan"]
     for action in plan_parser._actions:
         assert action.help, action.option_strings
+
+
+def test_a_gpu_plan_states_its_assumptions_in_bf16_without_stragglers_unless_asked(capsys):
+    status, out, _ = plan(capsys, "--config", PAPER_175B, "--devices", "1024", "--batch", "768", "--top", "1")
+    assert status == 0
+    assumed = out.splitlines()[1]
+    assert assumed.startswith("assumed: bfloat16 at 312 TFLOP/s") and "stragglers none" in assumed
+    assert "NIC 200 Gb/s per device" in assumed and "8 per node" in assumed
+    _, slow_network, _ = plan(
+        capsys, "--config", PAPER_175B, "--devices", "1024", "--batch", "768", "--top", "1",
+        "--config-layout", "--system", "megatron-lm", "--nic-gbps", "25", "--straggler-hosts", "0.01",
+    )  # fmt: skip
+    _, fast_network, _ = plan(
+        capsys, "--config", PAPER_175B, "--devices", "1024", "--batch", "768", "--top", "1",
+        "--config-layout", "--system", "megatron-lm",
+    )  # fmt: skip
+    assert "NIC 25 Gb/s" in slow_network and "0.01 of hosts 10% slower" in slow_network
+    step = lambda out: float(out.splitlines()[3].split()[-8])  # noqa: E731
+    assert step(slow_network) > step(fast_network)

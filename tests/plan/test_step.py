@@ -86,3 +86,50 @@ def test_a_profile_that_measured_tp_with_its_communication_adds_it_per_activatio
     blocks = with_bytes.micro_batches * JOB.model.n_layers / LAYOUT_175B["pp"]
     added = with_bytes.terms_s["host_dispatch"] - counted.terms_s["host_dispatch"]
     assert added == pytest.approx(blocks * per_block)
+
+
+def test_a_ring_across_nodes_drives_one_nic_per_rank_it_holds_on_each_node():
+    """Data parallelism over every GPU of 8 nodes (8 ranks a node) moves data between nodes at 8 NICs'
+    rate; beside 8-way tensor parallelism (one rank of the group a node) at one NIC's."""
+    from megascale.plan.comm import group_gather_or_scatter_seconds
+
+    full = 8e9
+    every_gpu = group_gather_or_scatter_seconds(full, 1, 64, A100)
+    one_per_node = group_gather_or_scatter_seconds(full, 8, 64, A100)
+    inside_a_node = group_gather_or_scatter_seconds(full, 1, 8, A100)
+    assert one_per_node / every_gpu == pytest.approx(8, rel=0.02)  # less the latency, the same
+    # Eight NICs (200 GB/s) are still slower than NVLink (300 GB/s).
+    assert inside_a_node < every_gpu
+
+
+def test_the_update_is_memory_traffic_over_what_each_device_owns():
+    """Under ZeRO-3 the optimizer term shrinks with the data-parallel ranks that share the weights; it
+    is bytes over HBM bandwidth, no fixed cost per weight."""
+    model = Job(MODEL_175B, 2048, 1024).model
+    job = Job(model, 2048, 1024)
+    terms = [
+        estimate_step(job, Layout(8, 8, dp, 1, 1, 3), MEGATRON, A100, Cluster(64 * dp)).terms_s["optimizer"]
+        for dp in (4, 16)
+    ]
+    assert terms[0] / terms[1] == pytest.approx(4, rel=0.05)
+    params_per_device = 175e9 / 64
+    assert terms[0] < params_per_device * 40 / A100.hbm_bytes_per_s / 2  # ~30 bytes per owned weight
+
+
+def test_materialised_attention_scores_cost_memory_traffic_and_are_recomputed_under_selective():
+    """Megatron-LM before FlashAttention: the [heads, s, s] scores through memory (slower than a flash
+    kernel), and selective recomputation redoes the attention core."""
+    flash, materialized = MEGATRON, dataclasses.replace(MEGATRON, attention_kernel="materialized")
+    plain = estimate(features=materialized, recompute="none")
+    selective = estimate(features=materialized, recompute="selective")
+    assert plain.terms_s["attention"] > estimate(features=flash, recompute="none").terms_s["attention"]
+    assert plain.terms_s["recompute"] == 0
+    # The forward again: less than half of forward and backward.
+    assert 0.25 < selective.terms_s["recompute"] / plain.terms_s["attention"] < 0.5
+
+
+def test_without_sequence_parallelism_a_pipeline_transfer_is_scattered_over_the_tp_ranks():
+    no_sp = dict(sequence_parallel=False, virtual_stages=1)
+    scattered = estimate(features=MEGATRON, **no_sp).terms_s["pp_exposed"]
+    whole = estimate(features=dataclasses.replace(MEGATRON, pp_scatter_gather=False), **no_sp)
+    assert whole.terms_s["pp_exposed"] > 4 * scattered
