@@ -5,6 +5,8 @@ annotation's and runs never, so it does not.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megascale"
@@ -102,3 +104,14 @@ def test_the_layers_below_the_run_import_nothing_above_them():
         if target.startswith(above)
     ]
     assert not wrong, "; ".join(wrong)
+
+
+def test_the_control_plane_starts_without_torch():
+    """The driver and the executors (`megascale launch`) import no torch: each starts in a fraction of a
+    second, where importing torch (through the hang view's and the trace reader's modules) took 1.4 s of
+    CPU per start."""
+    probe = "import sys, megascale.resilience.driver, megascale.resilience.executor; "
+    probe += "print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

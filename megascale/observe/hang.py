@@ -21,10 +21,10 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megascale.observe.collectives import communication_state
-from megascale.observe.timeline import Timeline
+if TYPE_CHECKING:  # a type only: the driver reads dumps with this module and must not import torch for it
+    from megascale.observe.timeline import Timeline
 
 HANG = "hang"
 
@@ -49,6 +49,8 @@ class HangWatch(threading.Thread):
                 dumped = True
 
     def dump(self, stalled_s: float) -> None:
+        from megascale.observe.collectives import communication_state  # torch's: in a rank, not the driver
+
         state = {
             "rank": self.timeline.rank,
             "world_size": self.world_size,

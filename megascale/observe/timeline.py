@@ -33,8 +33,9 @@ from typing import Any, Self
 
 import torch
 
+from megascale.observe.trace import TRACES, read_trace  # noqa: F401 (read_trace: this module's readers)
+
 MAIN, WAIT = "main", "wait"
-TRACES = "traces"
 # Which phases are compute, for the step's breakdown (communication waits inside them are taken out).
 COMPUTE = ("forward", "backward", "clip", "optimizer")
 
@@ -326,11 +327,3 @@ class Timeline:
 def session_dir(run_dir: Path, start_step: int) -> Path:
     """Where this run's (or this resumed run's) per-rank traces go."""
     return run_dir / TRACES / f"from-step-{start_step:08d}"
-
-
-def read_trace(path: Path) -> list[dict[str, Any]]:
-    """A per-rank trace file's events, whether it was closed or cut short by a crash."""
-    text = path.read_text().rstrip()
-    if not text.endswith("]"):
-        text = text.rstrip(",") + "\n]"
-    return json.loads(text)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from megascale.errors import MegascaleError
-from megascale.observe.timeline import TRACES, read_trace
 
 MERGED = "merged.json"
 METADATA = {
@@ -25,6 +24,17 @@ METADATA = {
     "thread_sort_index",
     "trace_end",
 }
+
+
+TRACES = "traces"  # under the run directory: a session's directory per start or resume, a file per rank
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """A per-rank trace file's events, whether it was closed or cut short by a crash."""
+    text = path.read_text().rstrip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "\n]"
+    return json.loads(text)
 
 
 def sessions(run_dir: Path) -> list[Path]:

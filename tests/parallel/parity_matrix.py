@@ -155,16 +155,16 @@ def refusal(row: Row) -> str | None:
 
 
 def estimated_cost(row: Row) -> float:
-    """Roughly the seconds a combination takes here (2 cores), fitted to runs of the every-pair set: a fixed
-    part (the reference, starting processes), a part per process and forward-backward pass, which tensor
-    parallelism's many small collectives make larger (per layer), and torch.compile's compilation in each
-    process."""
+    """Roughly the seconds a combination takes in the suite here (2 cores), fitted by least squares to the
+    every-pair set's rows as the suite ran them: a fixed part, a part per process (starting it, its share
+    of the cores), one per process, layer and forward-backward pass where tensor parallelism's many small
+    collectives make each pass costly, and torch.compile's compilation in each process."""
     data_parallel = row["parallel.dp_replicate"] * row["parallel.dp_shard"]
     passes = max(1, GLOBAL_BATCH // data_parallel // row["training.micro_batch_size"])
     processes = config_space.world_size(row)
-    per_pass = 0.35 * layers(row) / 2 if row["parallel.tp"] > 1 else 0.1
-    compiling = 5 + 7 * processes if row["training.compile"] else 0
-    return 1 + 0.5 * processes + per_pass * processes * passes + compiling
+    tensor_parallel = 0.45 * processes * passes * layers(row) / 2 if row["parallel.tp"] > 1 else 0.0
+    compiling = 3.7 * processes if row["training.compile"] else 0.0
+    return 1 + 0.8 * processes + tensor_parallel + compiling
 
 
 def layout(row: Row) -> tuple[int, ...]:
@@ -294,13 +294,15 @@ def train(rank: int, world_size: int, args: list[str]) -> list[dict[str, Any]] |
     return read_metrics(cfg.training.run_dir) if rank == 0 else None
 
 
-def resume_and_export(rank: int, world_size: int, args: list[str], saved: Path, work: Path) -> dict[str, Any]:
-    """On one process: resume the step-SAVE_AT checkpoint of `saved` to the end (the records of the steps it
-    took), and export the newest checkpoint to Hugging Face (the largest logit difference, or the export's
-    refusal)."""
+def resume_and_export(
+    rank: int, world_size: int, args: list[str], saved: Path, work: Path, save_at: int = SAVE_AT
+) -> dict[str, Any]:
+    """On one process: resume the step-`save_at` checkpoint of `saved` to the end (the records of the steps
+    it took), and export the newest checkpoint to Hugging Face (the largest logit difference, or the
+    export's refusal)."""
 
     resumed_dir = work / "resumed"
-    checkpoint = saved / "checkpoints" / f"step-{SAVE_AT:08d}"
+    checkpoint = saved / "checkpoints" / f"step-{save_at:08d}"
     shutil.copytree(checkpoint, resumed_dir / "checkpoints" / checkpoint.name)
     cfg = load_config(None, [*args, *QUIET, f"--training.run_dir={resumed_dir}"])
     Trainer(cfg).train()
@@ -351,9 +353,11 @@ def _largest(got: dict[int, float], want: dict[int, float], relative: bool = Fal
     return max(deltas, default=0.0)
 
 
-def compare(row: Row, got: list[dict], reference: list[dict], after: dict[str, Any] | None) -> Result:
-    """`row`'s run against its reference, and (`after`, when it was made) its checkpoint resumed on one
-    process and exported."""
+def compare(
+    row: Row, got: list[dict], reference: list[dict], after: dict[str, Any] | None, save_at: int = SAVE_AT
+) -> Result:
+    """`row`'s run against its reference, and (`after`, when it was made) its step-`save_at` checkpoint
+    resumed on one process and exported."""
     # The step's precisions (compute, the expert-parallel all-to-all's payload): the loosest bound of each.
     precisions = {
         row["training.dtype"],
@@ -380,7 +384,7 @@ def compare(row: Row, got: list[dict], reference: list[dict], after: dict[str, A
         if precisions == {"float32"} and result.dropped != 0:
             failures.append(f"dropped share differs by {result.dropped:.2e}")
     if after is not None:
-        later = {step: loss for step, loss in _by_step(reference, "loss").items() if step > SAVE_AT}
+        later = {step: loss for step, loss in _by_step(reference, "loss").items() if step > save_at}
         result.resumed = _largest(_by_step(after["resumed"], "loss"), later)
         checks.append(("resumed loss", result.resumed, tolerance.loss))
         result.export = after["export"]
@@ -399,11 +403,13 @@ def compare(row: Row, got: list[dict], reference: list[dict], after: dict[str, A
 
 
 class Matrix:
-    """Runs rows against one-process references, each reference trained once per model. A layout's first
-    row is also resumed on one process and exported, and so is its first Llama row."""
+    """Runs rows against one-process references, each reference trained once per model, for `steps` steps
+    (a checkpoint halfway). A layout's first row is also resumed on one process and exported, and so is
+    its first Llama row."""
 
-    def __init__(self, corpus: Path, work: Path):
+    def __init__(self, corpus: Path, work: Path, steps: int = STEPS):
         self.corpus, self.work = corpus, work
+        self.steps, self.save_at = steps, steps // 2
         self.references: dict[tuple, list[dict]] = {}
         self.resumed: set[tuple] = set()  # layouts whose checkpoint was resumed on one process
         self.exported: set[tuple] = set()  # layouts whose Llama checkpoint was exported
@@ -415,6 +421,9 @@ class Matrix:
             f"--data.source={self.corpus}",
             f"--data.cache_dir={self.work / 'data'}",
             f"--training.run_dir={run_dir}",
+            f"--training.steps={self.steps}",
+            f"--training.val_every={self.steps}",
+            f"--checkpoint.every={self.save_at}",
             *extra,
         ]
 
@@ -438,10 +447,12 @@ class Matrix:
             if place not in self.resumed or (exportable(row) and place not in self.exported):
                 one_process = self.job(run_dir, reference_row(row), layers(row))
                 work = self.work / f"after-{index}"
-                after = run_ranks(resume_and_export, 1, one_process, run_dir, work, timeout_s=300)[0]
+                after = run_ranks(
+                    resume_and_export, 1, one_process, run_dir, work, self.save_at, timeout_s=300
+                )[0]
                 self.resumed.add(place)
                 self.exported |= {place} if exportable(row) else set()
-            result = compare(row, got, reference, after)
+            result = compare(row, got, reference, after, self.save_at)
         except AssertionError as err:  # a rank failed or hung: run_ranks says which, with its traceback
             result = Result(row, processes, "CRASH", message=_last_error(str(err)))
         result.seconds = time.perf_counter() - started

@@ -222,25 +222,29 @@ def test_rank_order_tp_pp_dp_puts_data_parallelism_outermost():
     ]
 
 
-def _late_peer(rank, world_size):
+def _late_peer(rank, world_size, done):
     import time
 
     import torch
 
     dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=1)
     mesh = dims.build_mesh("cpu", timeout_s=3)
-    if rank == 1:
-        time.sleep(12)  # a hung peer
+    if rank == 1:  # a hung peer, until rank 0 has given up on it (at most 30 s)
+        deadline = time.monotonic() + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     started = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=mesh["dp_shard"].get_group())
     except RuntimeError:
         return time.monotonic() - started
+    finally:
+        done.touch()
     return None
 
 
-def test_the_mesh_groups_time_out_after_the_configured_timeout():
+def test_the_mesh_groups_time_out_after_the_configured_timeout(tmp_path):
     # DeviceMesh's own groups took torch's 30-minute default, not parallel.timeout_s.
-    waited, _ = run_ranks(_late_peer, 2)
+    waited, _ = run_ranks(_late_peer, 2, tmp_path / "gave-up")
     assert waited is not None and waited < 8, waited
