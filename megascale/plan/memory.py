@@ -4,9 +4,10 @@ Training state follows ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimi
 parallelism, stage 2 the gradients too, stage 3 the weights too (paper §2: MegaScale uses stage 2).
 Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Eqs. 1-3): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations, sequence parallelism
-dividing everything by t. The attention-score term 5*a*s/h is left out: every system modelled here runs
-attention in a FlashAttention kernel (`megascale.plan.compute`), which keeps no scores. Full recomputation
-keeps only each block's input. The pipeline's first stage
+dividing everything by t. The attention-score term 5*a*s/h counts only where the scores are materialised
+(no FlashAttention kernel, `megascale.plan.compute`) and not recomputed: a FlashAttention kernel keeps no
+scores, and selective recomputation (Korthikanti et al.'s) drops exactly them. Full recomputation keeps
+only each block's input. The pipeline's first stage
 holds the most micro-batches in flight: pp of them under 1F1B, pp * (1 + (pp - 1)/(pp * v)) interleaved.
 """
 
@@ -73,15 +74,20 @@ def stage_params(job: Job, layout: Layout) -> float:
     return sum(group.params for group in stage_param_groups(job, layout))
 
 
-def activation_bytes_per_block(job: Job, layout: Layout, moe: bool = False) -> float:
+def activation_bytes_per_block(
+    job: Job, layout: Layout, moe: bool = False, materialized_scores: bool = False
+) -> float:
     """Activations one block keeps for its backward, per micro-batch, on one device; with `moe`, a block
-    whose MLP (19 of the 34 sbh) is a mixture-of-experts layer (`megascale.plan.experts`)."""
+    whose MLP (19 of the 34 sbh) is a mixture-of-experts layer (`megascale.plan.experts`); with
+    `materialized_scores`, attention without a FlashAttention kernel."""
     s, b, h, t = job.seq_len, layout.micro_batch, job.model.dim, layout.tp
     scale = job.precision.activation_bytes / 2  # the formula counts 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
     if layout.recompute == "full":
         return s * b * h * 2 * scale / (t if sharded else 1)
     dense = s * b * h * (34 / t if sharded else 10 + 24 / t) * scale
+    if materialized_scores and layout.recompute == "none":
+        dense += 5 * job.model.attention.n_heads * s * s * b / t * scale
     return dense * 15 / 34 + moe_activation_bytes(job, layout) if moe else dense
 
 
@@ -96,8 +102,9 @@ def micro_batches_in_flight(job: Job, layout: Layout) -> float:
     return min(in_flight, m)
 
 
-def memory_per_device(job: Job, layout: Layout) -> Memory:
-    """Peak bytes on the busiest device."""
+def memory_per_device(job: Job, layout: Layout, materialized_scores: bool = False) -> Memory:
+    """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
+    kernel)."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -108,8 +115,8 @@ def memory_per_device(job: Job, layout: Layout) -> Memory:
     optimizer = held(precision.optimizer_bytes, 1)
     blocks = job.model.n_layers / layout.pp
     moe_blocks = min(blocks, moe_layers(job.model))
-    activations = (blocks - moe_blocks) * activation_bytes_per_block(job, layout)
-    activations += moe_blocks * activation_bytes_per_block(job, layout, moe=True)
+    activations = (blocks - moe_blocks) * activation_bytes_per_block(job, layout, False, materialized_scores)
+    activations += moe_blocks * activation_bytes_per_block(job, layout, True, materialized_scores)
     activations *= micro_batches_in_flight(job, layout)
     logits = 2 * 4 * layout.micro_batch * job.seq_len * job.model.vocab_size / layout.tp  # fp32, and its grad
     return Memory(weights, grads, optimizer, activations + logits)

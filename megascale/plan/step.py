@@ -130,7 +130,8 @@ def estimate_step(
     step_s = sum(terms.values())
     tokens_per_s = job.tokens_per_step / step_s
     peak = cluster.devices * profile.peak_flops(job.dtype)
-    memory = memory_per_device(job, layout)
+    materialized = not features.fused_kernels and features.attention_kernel == "materialized"
+    memory = memory_per_device(job, layout, materialized)
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m
     )

@@ -62,3 +62,23 @@ def test_the_first_stage_holds_pp_micro_batches_more_when_interleaved():
     logits = 2 * 4 * 32 * 96
     assert one_f_one_b.activations_bytes == pytest.approx(2 * per_stage + logits)
     assert interleaved.activations_bytes == pytest.approx(2 * (1 + 1 / 4) * per_stage + logits)
+
+
+def test_materialised_attention_scores_are_kept_unless_recomputed():
+    """Without a FlashAttention kernel the [heads, s, s] scores stay for the backward: Korthikanti et al.'s
+    5 a s^2 b bytes a layer (over t), which selective recomputation drops."""
+    from megascale.plan.job import Job, Layout
+    from megascale.plan.memory import memory_per_device
+    from megascale.plan.paper import MODEL_175B
+
+    job = Job(MODEL_175B, 2048, 64)
+    layout = Layout(tp=8, pp=8, dp=1, recompute="none")
+    flash = memory_per_device(job, layout).activations_bytes
+    materialized = memory_per_device(job, layout, materialized_scores=True).activations_bytes
+    scores_per_layer = 5 * MODEL_175B.attention.n_heads * 2048**2 / 8
+    in_flight = 8  # the first stage's micro-batches under 1F1B
+    assert materialized - flash == pytest.approx(12 * scores_per_layer * in_flight, rel=1e-6)
+    selective = dataclasses.replace(layout, recompute="selective")
+    assert memory_per_device(job, selective, materialized_scores=True).activations_bytes == pytest.approx(
+        memory_per_device(job, selective).activations_bytes
+    )
