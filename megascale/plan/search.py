@@ -61,7 +61,7 @@ def candidate_layouts(
                 if pp > 1 and micro_batches < pp:
                     continue
                 for virtual_stages in _virtual_stage_choices(model.n_layers, pp, micro_batches):
-                    for zero_stage in (2, 3) if dp > 1 else (1,):
+                    for zero_stage in features.zero_stages if dp > 1 else (1,):
                         for recompute in recomputes:
                             base = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute)
                             for layout in _expert_layouts(job, base, features):

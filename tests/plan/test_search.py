@@ -50,3 +50,11 @@ def test_nothing_fits_names_the_limit_the_smallest_layout_and_the_fix():
 def test_no_legal_layout_says_why():
     with pytest.raises(ConfigError, match=r"no legal layout of 256 devices for batch 768 --tp 3"):
         search(JOB, Cluster(256), A100, MEGASCALE, fixed={"tp": 3})
+
+
+def test_the_search_offers_only_the_zero_stages_the_system_has():
+    """A system without a distributed optimizer (Megatron-LM in 2021) is offered plain data parallelism."""
+    plain = dataclasses.replace(MEGASCALE, zero_stages=(0,))
+    plans = search(JOB, Cluster(1024), A100, plain)
+    assert {plan.layout.zero_stage for plan in plans if plan.layout.dp > 1} == {0}
+    assert {plan.layout.zero_stage for plan in search(JOB, Cluster(1024), A100, MEGASCALE)} <= {1, 2, 3}
