@@ -15,10 +15,11 @@ What each overlap of paper §3.2 hides:
   phase; without them every transfer of a micro-batch is waited for.
 - DP: per-chunk all-gathers before each chunk's forward and reduce-scatters after its backward leave only
   the last chunk's reduce-scatter, 1/(2v) of the traffic, exposed (the first all-gather overlaps data
-  loading) -- as long as the compute is long enough to cover the rest.
+  loading) -- as long as the compute is long enough to cover the rest; without a pipeline, block by
+  block behind one micro-batch's compute (`_dp_exposed_seconds`).
 Stragglers: synchronous training runs at the pace of its slowest host. With a fraction f of hosts slower by
-d (paper §5.1: about 0.5% of hosts; §6.3: about 10% slower), a job on n hosts computes at
-1 + d * (1 - (1 - f)^n) times the healthy pace in expectation.
+d (the cluster's: paper §5.1 saw about 0.5% of hosts, §6.3 about 10% slower), a job on n hosts computes
+at 1 + d * (1 - (1 - f)^n) times the healthy pace in expectation.
 Core sharing (a CPU host running more processes than it has cores): the cores are work-conserving -- a
 stage idle in the bubble or waiting for a transfer leaves its core to the others -- so the pipeline takes
 the longer of its critical path and all its processes' core time over the cores; the update after it runs

@@ -96,7 +96,7 @@ class Source:
 
 @dataclass(frozen=True)
 class Published:
-    """One published run and what its source says of it; `step_s` is stated or derived (`derive_step_s`)."""
+    """One published run and what its source says of it; `step_s` is stated or derived (`published`)."""
 
     source: Source
     label: str
