@@ -119,6 +119,7 @@ class Features:
     moe_attention: str = "sp"
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
     zero_stages: tuple[int, ...] = (2, 3)  # what the system's data parallelism can shard (searched)
+    model_parallel: bool = True  # whether the system splits the model (TP, PP); FSDP-only ones do not
     # Without sequence parallelism each tp rank sends only its slice of a pipeline transfer (Megatron-LM's
     # scatter/gather); megascale's trainer sends the whole tensor from each.
     pp_scatter_gather: bool = True

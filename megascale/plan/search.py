@@ -46,11 +46,11 @@ def candidate_layouts(
     features = features or Features()
     model = job.model
     layouts = []
-    for tp in divisors(devices):
+    for tp in divisors(devices) if features.model_parallel else [1]:
         shapes = (model.dim, model.attention.n_heads, model.attention.n_kv_heads, model.vocab_size)
         if tp > profile.devices_per_node or any(size % tp for size in shapes):
             continue
-        for pp in divisors(devices // tp):
+        for pp in divisors(devices // tp) if features.model_parallel else [1]:
             dp = devices // (tp * pp)
             if pp > model.n_layers or job.global_batch % dp:
                 continue

@@ -324,7 +324,7 @@ LLM_FOUNDRY = Source(
     name="MosaicML llm-foundry, FSDP on H100",
     where="mosaicml/llm-foundry scripts/train/benchmarking/README.md, 'H100 80GB BF16 (Large Scale)'",
     convention="6N + 12 L d s (N with the embeddings), % of 989 TFLOP/s",
-    features=FSDP,
+    features=dataclasses.replace(FSDP, model_parallel=False),  # Composer: FSDP alone
     profile=H100,
     assumed="the network of our H100 profile (400 Gb/s per GPU; the source does not say); MPT as a GPT "
     "with learned positions and tied embeddings; FULL_SHARD as ZeRO-3, SHARD_GRAD_OP as ZeRO-2",

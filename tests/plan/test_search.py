@@ -53,8 +53,15 @@ def test_no_legal_layout_says_why():
 
 
 def test_the_search_offers_only_the_zero_stages_the_system_has():
-    """A system without a distributed optimizer (Megatron-LM in 2021) is offered plain data parallelism."""
+    """A system without a distributed optimizer (Megatron-LM in 2021) is offered plain data parallelism;
+    one without model parallelism (llm-foundry), no TP or PP."""
     plain = dataclasses.replace(MEGASCALE, zero_stages=(0,))
     plans = search(JOB, Cluster(1024), A100, plain)
     assert {plan.layout.zero_stage for plan in plans if plan.layout.dp > 1} == {0}
     assert {plan.layout.zero_stage for plan in search(JOB, Cluster(1024), A100, MEGASCALE)} <= {1, 2, 3}
+    from megascale.plan.validation import gpt
+
+    small = Job(gpt(2048, 24, 16, 51200, 2048), 2048, 1024)
+    fsdp_only = dataclasses.replace(MEGASCALE, model_parallel=False)
+    assert {(p.layout.tp, p.layout.pp) for p in search(small, Cluster(256), A100, fsdp_only)} == {(1, 1)}
+    assert len({(p.layout.tp, p.layout.pp) for p in search(small, Cluster(256), A100, MEGASCALE)}) > 1
