@@ -33,7 +33,7 @@ from typing import Any, Self
 
 import torch
 
-from megascale.observe.trace import TRACES, read_trace  # noqa: F401 (read_trace: this module's readers)
+from megascale.observe.trace import TRACES
 
 MAIN, WAIT = "main", "wait"
 # Which phases are compute, for the step's breakdown (communication waits inside them are taken out).

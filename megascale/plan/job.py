@@ -125,6 +125,11 @@ class Features:
     pp_scatter_gather: bool = True
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
 
+    @property
+    def host_stall_s(self) -> float:
+        """What of the host's per-step work stalls the devices: none where data loading is asynchronous."""
+        return 0.0 if self.async_data else self.host_overhead_s
+
 
 # 0.2 s of host stall per step without async data: Table 3's "misc optimizations" step (+1.1 MFU points at
 # about 13 s per step) removed about that much.

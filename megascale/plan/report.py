@@ -83,9 +83,9 @@ def plan_and_render(args) -> str:
 def _with_network(profile: HardwareProfile, args) -> HardwareProfile:
     """The profile with the command line's NIC rate and GPUs per node, where given."""
     changes: dict = {}
-    if getattr(args, "nic_gbps", None):
+    if args.nic_gbps:
         changes["inter_node_bytes_per_s"] = args.nic_gbps * 1e9 / 8
-    if getattr(args, "gpus_per_node", None):
+    if args.gpus_per_node:
         changes["devices_per_node"] = args.gpus_per_node
     return dataclasses.replace(profile, **changes) if changes else profile
 
@@ -107,7 +107,7 @@ def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: st
         f"and "
         f"NIC {profile.inter_node_bytes_per_s * 8 / 1e9:.4g} Gb/s per device at "
         f"{profile.network_efficiency:.0%} efficiency; overlapped: {', '.join(overlaps) or 'nothing'}; "
-        f"attention {attention}; host stall {0.0 if features.async_data else features.host_overhead_s:g} s; "
+        f"attention {attention}; host stall {features.host_stall_s:g} s; "
         f"stragglers {stragglers}"
     )
 

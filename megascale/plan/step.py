@@ -126,7 +126,7 @@ def estimate_step(
         ),
         "dp_exposed": dp_exposed_s,
         "optimizer": _core_sharing(cluster, profile) * _optimizer_seconds(job, layout, profile),
-        "host": 0.0 if features.async_data else features.host_overhead_s,
+        "host": features.host_stall_s,
     }
     step_s = sum(terms.values())
     tokens_per_s = job.tokens_per_step / step_s

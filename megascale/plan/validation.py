@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
-from megascale.plan.job import Cluster, Features, Job, Layout
+from megascale.plan.job import MEGATRON, Cluster, Features, Job, Layout
 from megascale.plan.search import search
 from megascale.plan.step import StepEstimate, estimate_step
 
@@ -111,10 +111,13 @@ class Published:
     def gpus(self) -> int:
         return self.layout.devices
 
+    @property
+    def job(self) -> Job:
+        return Job(self.model, self.seq_len, self.global_batch)
+
     def predict(self) -> StepEstimate:
-        job = Job(self.model, self.seq_len, self.global_batch)
         cluster = Cluster(self.gpus)  # stragglers are the MegaScale cluster's (paper §5.1), not these
-        return estimate_step(job, self.layout, self.source.features, self.source.profile, cluster)
+        return estimate_step(self.job, self.layout, self.source.features, self.source.profile, cluster)
 
     @property
     def predicted_mfu(self) -> float:
@@ -128,10 +131,9 @@ class Published:
     def search_agrees(self) -> bool:
         """Whether `megascale plan`'s search, over the layouts the system can run, ranks the published one
         among its first five or predicts it within 3 points of its own pick."""
-        job = Job(self.model, self.seq_len, self.global_batch)
         features = self.source.features
         plans = search(
-            job, Cluster(self.gpus), self.source.profile, features, skip_selective=features.fused_kernels
+            self.job, Cluster(self.gpus), self.source.profile, features, skip_selective=features.fused_kernels
         )
         shape = (self.layout.tp, self.layout.pp, self.layout.dp)
         top = [(plan.layout.tp, plan.layout.pp, plan.layout.dp) for plan in plans[:5]]
@@ -167,7 +169,7 @@ def published(
 # Megatron-LM as it ran in 2021-2022: no overlap of data-parallel or pipeline communication, attention
 # over materialised scores, data parallelism without a distributed optimizer, a host stall per step (the
 # MegaScale paper's baseline, before FlashAttention).
-MEGATRON_2021 = Features(attention_kernel="materialized", zero_stages=(0,), host_overhead_s=0.2)
+MEGATRON_2021 = dataclasses.replace(MEGATRON, attention_kernel="materialized", zero_stages=(0,))
 # Megatron-Core in 2024: data-, tensor- and pipeline-parallel communication overlapped, fused kernels
 # (Transformer Engine's fused attention).
 MEGATRON_CORE = Features(
@@ -360,7 +362,7 @@ def llm_foundry() -> list[Published]:
         dim, heads, layers = MPT[name]
         model = gpt(dim, layers, heads, 50368, 2048)
         layout = Layout(1, 1, gpus, 1, micro, zero, recompute, False)
-        label, job, flops = f"MPT-{name} on {gpus}", (model, 2048, batch), palm_flops(parameters_of(model))
+        label, job, flops = f"MPT-{name} on {gpus}", (model, 2048, batch), palm_flops(num_params(model))
         rows.append(published(LLM_FOUNDRY, label, job, layout, flops, tokens_per_s_per_gpu=tokens_per_s))
     return rows
 
@@ -404,13 +406,8 @@ def llama3() -> list[Published]:
     return rows
 
 
-def parameters_of(model: ModelConfig) -> float:
-    """Every parameter, embeddings included (as llm-foundry counts them)."""
-    return num_params(model)
-
-
 def model_size(model: ModelConfig) -> str:
-    billions = parameters_of(model) / 1e9
+    billions = num_params(model) / 1e9
     return f"{billions:.0f}B" if billions >= 10 else f"{billions:.1f}B"
 
 

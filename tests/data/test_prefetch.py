@@ -15,7 +15,7 @@ import torch
 
 from megascale.data import build_dataloaders
 from megascale.data.dataset import PackedSequences
-from megascale.observe.timeline import read_trace
+from megascale.observe.trace import read_trace
 from megascale.trainer import Trainer
 
 STEPS, SPLIT_AT = 24, 9

@@ -8,8 +8,8 @@ import threading
 import time
 
 from megascale.observe.metrics import read_metrics
-from megascale.observe.timeline import WAIT, Timeline, read_trace
-from megascale.observe.trace import check_trace, merge_traces
+from megascale.observe.timeline import WAIT, Timeline
+from megascale.observe.trace import check_trace, merge_traces, read_trace
 from tests.conftest import train_processes
 from tests.parallel.multiprocess import run_ranks
 

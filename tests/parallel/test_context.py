@@ -17,6 +17,7 @@ from megascale.parallel.dims import ParallelDims
 from megascale.parallel.parallelize import parallelize
 from megascale.parallel.tensor import full_tensor
 from megascale.trainer import next_token_loss
+from tests.conftest import TINY
 from tests.parallel.multiprocess import run_ranks
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 32, 8
@@ -66,20 +67,8 @@ def test_ring_attention_gives_the_whole_sequences_output_and_gradients(world, wi
         assert difference < 1e-5
 
 
-MODEL = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.attention.n_heads=4",
-    "--model.attention.n_kv_heads=2",
-    "--model.max_seq_len=32",
-    "--data.seq_len=32",
-    "--training.global_batch_size=4",
-    "--training.micro_batch_size=2",
-]
-
-
 def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) -> float:
-    cfg = load_config(None, [*MODEL, *overrides])
+    cfg = load_config(None, [*TINY, *overrides])  # the suite's tiny model, 4 sequences in 2 micro-batches
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     reference = copy.deepcopy(model)

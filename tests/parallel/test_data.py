@@ -81,7 +81,8 @@ def _train_with_overlap(rank, world_size, overlap, directory):
     """Three optimizer steps of FSDP (ZeRO-3) with the DP overlap on or off: the losses, and the names of
     what the training thread waited in (a blocking all-gather, or the wait for one issued ahead)."""
     from megascale.observe.collectives import record_collectives
-    from megascale.observe.timeline import WAIT, Timeline, read_trace
+    from megascale.observe.timeline import WAIT, Timeline
+    from megascale.observe.trace import read_trace
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     torch.manual_seed(0)

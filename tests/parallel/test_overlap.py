@@ -7,7 +7,7 @@ import pytest
 
 from megascale.config import OverlapConfig, load_config
 from megascale.observe.metrics import read_metrics
-from megascale.observe.timeline import read_trace
+from megascale.observe.trace import read_trace
 from megascale.trainer import Trainer
 from tests.conftest import TINY
 from tests.parallel.multiprocess import run_ranks
