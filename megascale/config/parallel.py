@@ -33,7 +33,9 @@ class OverlapConfig:
     cp: bool = option(
         True,
         "Context parallelism: each ring step's keys and values are sent to the next rank while the current "
-        "step's attention blocks are computed; off: sent and waited for between the steps.",
+        "step's attention blocks are computed, and in the backward the key and value gradients summed by "
+        "the ranks before arrive while this step's blocks compute its share; off: sent and waited for "
+        "between the steps.",
     )
     pp: bool = option(
         True,

@@ -21,9 +21,10 @@ how sequences are batched), in token order, and the rest are dropped (their outp
 carries them).
 
 The layer may be given only a part of each sequence (its `sequences`, `WholeSequences` by default): the
-tensor-parallel ranks each route their own part when the experts are split over them. The per-sequence
-counts behind capacity and the balancing loss then come from all parts, so what is dropped and the loss
-are those of whole sequences; the parallel code supplies how the counts are exchanged.
+tensor-parallel ranks each route their own part when the experts are split over them, and the
+context-parallel ranks their slices of every sequence. The per-sequence counts behind capacity and the
+balancing loss then come from all parts, so what is dropped and the loss are those of whole sequences;
+the parallel code supplies how the counts are exchanged.
 """
 
 from __future__ import annotations
@@ -84,14 +85,19 @@ class WholeSequences:
     """The layer's input holds whole sequences: each count over a sequence's tokens is already complete.
     A layer given a part of each sequence gets an object with the same methods that exchanges them."""
 
-    parts = 1  # parts each sequence is cut into
+    parts = 1  # ranks each sequence is split over, each holding as many of its tokens
+    pieces = 1  # contiguous runs of the sequence this rank's part is made of, in token order
+    # How much this part's terms of the balancing loss weigh: 1 where the ranks' gradients are summed,
+    # `parts` where they are averaged (the ranks are data-parallel ranks too).
+    loss_weight = 1
 
     def total(self, counts: torch.Tensor) -> torch.Tensor:
         """`counts` over this part of each sequence -> over the whole sequences (no gradient)."""
         return counts
 
     def before(self, counts: torch.Tensor) -> torch.Tensor:
-        """`counts` over this part of each sequence -> over the parts before it, in token order."""
+        """`counts` [..., pieces] over each piece of this part of each sequence -> over the whole
+        sequence's tokens before each piece, in token order."""
         return torch.zeros_like(counts)
 
 
@@ -240,13 +246,15 @@ class MoE(nn.Module):
             return order, counts
         whole = seq_len * self.sequences.parts
         capacity = math.ceil(self.capacity_factor * whole * self.top_k / self.num_experts)
-        # Sorted by expert in token order, each (expert, sequence) pair's slots are one run, after the
-        # run's slots in the sequence's earlier parts.
-        per_sequence = seq_len * self.top_k
+        # Sorted by expert in token order, each (expert, sequence, piece) triple's slots are one run, after
+        # the pair's slots in the sequence's tokens before the piece.
+        per_sequence, pieces = seq_len * self.top_k, self.sequences.pieces
         sequences = order.numel() // per_sequence
-        runs = experts * sequences + order // per_sequence
-        run_sizes = torch.bincount(runs, minlength=self.num_experts * sequences)
-        starts = run_sizes.cumsum(0) - run_sizes - self.sequences.before(run_sizes)
+        piece = order % per_sequence * pieces // per_sequence
+        runs = (experts * sequences + order // per_sequence) * pieces + piece
+        run_sizes = torch.bincount(runs, minlength=self.num_experts * sequences * pieces)
+        earlier = self.sequences.before(run_sizes.view(-1, pieces)).flatten()
+        starts = run_sizes.cumsum(0) - run_sizes - earlier
         keep = torch.arange(order.numel(), device=order.device) - starts[runs] < capacity
         kept = order[keep]
         return kept, torch.bincount(experts[keep], minlength=self.num_experts)
@@ -256,8 +264,8 @@ class MoE(nn.Module):
         share of the sequence's token slots routed to expert i, P_i its mean score over the sequence
         (sigmoid scores normalised per token first). scores [batch, seq, experts], chosen [batch, seq, k]
         of this part of each sequence -> (this part's terms of the loss, whose gradient is this part's
-        scores' share of the whole loss's; the whole loss's value, no gradient). Of whole sequences,
-        both are the loss."""
+        scores' share of the whole loss's, times `sequences.loss_weight`; the whole loss's value, no
+        gradient). Of whole sequences, both are the loss."""
         if self.router.score == "sigmoid":
             scores = scores / scores.sum(dim=-1, keepdim=True)
         batch, seq, k = chosen.shape
@@ -269,7 +277,7 @@ class MoE(nn.Module):
             self.num_experts, 1
         )
         share = counts / (whole * k)
-        loss = self.num_experts * (share * summed / whole).sum(dim=1).mean()
+        loss = self.num_experts * (share * summed / whole).sum(dim=1).mean() * self.sequences.loss_weight
         value = self.num_experts * (share * summed_whole / whole).sum(dim=1).mean()
         return loss, value
 

@@ -19,7 +19,8 @@ Memory. The forward keeps only this rank's queries, keys, values, output and log
 block's scores and no other rank's keys. The backward sends the keys and values around the ring again
 (again behind the blocks), recomputes each block's scores from the saved log-sum-exp (FlashAttention's
 backward) and sends each key chunk's gradient along with it, summed on the way, back to its rank after the
-last step.
+last step. The gradients travel behind the blocks too: a step computes its share of the held keys' gradient
+while the sum of the steps before arrives, and adds it after.
 
 Why by hand: torch's context parallelism (`torch.distributed.tensor.experimental.context_parallel` and its
 ring of `_templated_ring_attention`) dispatches only CUDA's SDPA kernels (flash, memory-efficient, cuDNN),
@@ -39,6 +40,7 @@ from torch import nn
 
 from megascale.models.attention import WholeSequenceAttention
 from megascale.models.llama import Attention
+from megascale.models.moe import MoE, WholeSequences
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -189,15 +191,20 @@ def _ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v from the output's: the keys and values go around the ring again, each
     block's scores recomputed from the saved log-sum-exp (FlashAttention's backward), and each key chunk's
-    gradient travels with it, back to its rank after the last step."""
+    gradient travels with it, back to its rank after the last step. With `overlap` the gradients summed by
+    the ranks before arrive while this step's blocks compute theirs, and are added after."""
     q, k, v, out, lse = saved
     delta = (grad * out).sum(-1)  # rowsum(dO o O): the softmax's backward term
     grad_q = torch.zeros_like(q)
     held = torch.stack([k, v])
-    held_grad = torch.zeros_like(held)  # the gradients of the keys and values held, summed so far
+    summed: _InFlight | None = None  # the held keys' and values' gradients the ranks before summed
     for step in range(ring.cp):
         last = step == ring.cp - 1
         flight = _issue(held, ring.group) if overlap and not last else None
+        if summed is not None and not overlap:
+            held_grad = _wait(summed)
+        else:  # this step's share of the held keys' and values' gradients
+            held_grad = torch.zeros_like(held)
         for index, part, visible in ring.pairs(step):
             q_chunk, grad_chunk = ring.query(q, index), ring.query(grad, index)
             keys, values = ring.key(held[0], part), ring.key(held[1], part)
@@ -208,10 +215,14 @@ def _ring_backward(
             grad_scores = weights * (grad_weights - ring.query(delta, index)[..., None]) * scale
             ring.query(grad_q, index).add_(torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, keys))
             ring.key(held_grad[0], part).add_(torch.einsum("bhgqk,bhgqd->bhkd", grad_scores, q_chunk))
-        held_grad = _exchange(held_grad, ring.group)  # on to the rank holding these keys next (or home)
+        if summed is not None and overlap:
+            held_grad += _wait(summed)
+        summed = _issue(held_grad, ring.group)  # on to the rank holding these keys next (or home)
         if not last:
             held = _wait(flight) if flight is not None else _exchange(held, ring.group)
-    return grad_q, held_grad[0], held_grad[1]
+    assert summed is not None
+    home = _wait(summed)
+    return grad_q, home[0], home[1]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -275,10 +286,39 @@ class RingAttention(WholeSequenceAttention):
         return ring_attention(q, k, v, self.group, window, self.overlap)
 
 
+class ContextShards(WholeSequences):
+    """An MoE layer's view of sequences split over the cp ranks: this rank holds two pieces of each, chunks
+    r and 2cp-1-r (`chunk_positions`). Counts are summed over the ring, and the counts before a piece are
+    those of every chunk ahead of it in the sequence, whichever rank holds it. The ranks are data-parallel
+    ranks too (their gradients are averaged), so this part's balancing-loss terms weigh cp times."""
+
+    pieces = 2
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.loss_weight = self.parts
+
+    def total(self, counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
+    def before(self, counts: torch.Tensor) -> torch.Tensor:
+        held = [torch.empty_like(counts) for _ in range(self.parts)]
+        dist.all_gather(held, counts.detach().contiguous(), group=self.group)
+        # Every chunk's counts in sequence order: rank q holds chunks q and 2cp-1-q.
+        chunks = torch.cat([torch.stack(held)[:, :, 0], torch.stack(held).flip(0)[:, :, 1]])
+        ahead = chunks.cumsum(0) - chunks
+        return torch.stack([ahead[self.rank], ahead[2 * self.parts - 1 - self.rank]], dim=-1)
+
+
 def apply_context_parallel(part: nn.Module, group: dist.ProcessGroup, overlap: bool = True) -> None:
     """Every attention layer of `part`, in place, attends over the ring of `group`'s ranks, each holding
     its slice of the sequences (the step hands the model `shard_sequence`'s slices); `overlap`: the ring's
-    transfers behind its compute."""
+    transfers behind its compute. Every MoE layer counts its routing over the whole sequences."""
     for module in part.modules():
         if isinstance(module, Attention):
             module.core = RingAttention(group, overlap)
+        elif isinstance(module, MoE):
+            module.sequences = ContextShards(group)

@@ -239,12 +239,13 @@ class ParallelDims:
                 f"cannot be used with parallel.cp = {self.cp}: a learned position table is read by "
                 "contiguous position; use 'rope'",
             )
-        if model.moe.experts:
+        if model.moe.experts and self.experts_over_tp:
             fail(
-                "model.moe.experts",
-                model.moe.experts,
-                f"cannot be used with parallel.cp = {self.cp} yet: the MoE layer's per-sequence counts "
-                "are not exchanged over the cp ranks; set --parallel.cp=1",
+                "parallel.moe_tp",
+                "ep",
+                f"cannot be used with parallel.cp = {self.cp}: an MoE layer's tp ranks would route parts "
+                "of each cp rank's two sequence chunks, whose counts are exchanged over the cp ring only; "
+                "set --parallel.moe_tp=whole",
             )
 
     def _validate_pipeline(self, cfg: JobConfig) -> None:

@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, help="Only layouts with this tensor-parallel degree.")
     parser.add_argument("--pp", type=int, help="Only layouts with this many pipeline stages.")
     parser.add_argument(
+        "--cp",
+        type=int,
+        help="Only layouts with this context-parallel degree (the search offers cp > 1 for long sequences "
+        "only; see docs/planning.md, 'Context parallelism').",
+    )
+    parser.add_argument(
         "--config-layout",
         action="store_true",
         help="Predict the config's own parallel layout instead of searching.",
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         ("--top", args.top),
         ("--batch", args.batch),
         ("--gpus-per-node", args.gpus_per_node),
+        ("--cp", args.cp),
     ):
         if value is not None and value < 1:
             raise ConfigError(f"plan: {flag} {value} must be >= 1")

@@ -12,6 +12,8 @@ Three kinds of work, each timed by what limits it:
   and the matmuls that read them (`MATERIALIZED_BYTES_*`); selective recomputation redoes all of it.
 - Element-wise work (norms, activations, dropout, residual adds): bytes through HBM; fusing LayerNorm and
   GeLU (paper §3.3) halves the number of passes.
+Under context parallelism (cp ranks) a rank computes every token-wise operator on its 1/cp of each
+sequence, and its queries' attention against the whole sequence's keys: 1/cp of the causal work.
 On a CPU the host dispatches every operator and waits for it, so a measured per-block host time is added;
 on a GPU launches run ahead of the device and cost nothing here.
 """
@@ -96,7 +98,7 @@ def _gemms_seconds(
 def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
     """The attention's projections, forward + backward: split over the tp ranks by heads, or under
     sequence-parallel attention ("sp") whole on each rank's share of the sequence."""
-    tokens = layout.micro_batch * job.seq_len
+    tokens = layout.micro_batch * layout.local_seq_len(job)
     if layout.attention == "sp":
         return _gemms_seconds(attention_shapes(job.model, 1), tokens / layout.tp, profile, job.dtype)
     return _gemms_seconds(attention_shapes(job.model, layout.tp), tokens, profile, job.dtype)
@@ -115,7 +117,7 @@ def block_time(
     FlashAttention-2 with `fused_kernels`, else in `attention_kernel`: FlashAttention-1 ("flash") or
     over materialised scores ("materialized")."""
     model, dtype = job.model, job.dtype
-    tokens = layout.micro_batch * job.seq_len
+    tokens = layout.micro_batch * layout.local_seq_len(job)
     gemm_s = attention_linear_seconds(job, layout, profile)
     if moe is not None:
         gemm_s += moe.gemm_s
@@ -124,7 +126,7 @@ def block_time(
     else:
         gemm_s += _gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
     kernel = "flash2" if fused_kernels else attention_kernel
-    attention_fwd_s, attention_bwd_s = _attention_seconds(job, layout, profile, kernel)
+    attention_fwd_s, attention_bwd_s = attention_seconds(job, layout, profile, kernel)
     passes = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
     shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
     elementwise_s = (
@@ -136,7 +138,7 @@ def block_time(
     if layout.tp > 1:
         activations = tokens * model.dim * job.precision.activation_bytes
         host_s += profile.tp_layer_overhead_s + profile.tp_layer_overhead_s_per_byte * activations
-    host_s += profile.dp_layer_overhead_s if layout.dp > 1 and layout.zero_stage >= 2 else 0.0
+    host_s += profile.dp_layer_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0
     # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
     full = layout.recompute == "full"
     recompute_s = (gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s if full else 0.0
@@ -151,17 +153,17 @@ def keys_per_query(seq_len: int, window: int | None) -> float:
     return (span * (span + 1) / 2 + (seq_len - span) * span) / seq_len
 
 
-def _attention_seconds(
-    job: Job, layout: Layout, profile: HardwareProfile, kernel: str
-) -> tuple[float, float]:
+def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel: str) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core of one block and micro-batch: in a FlashAttention
     kernel ("flash2", "flash" at half its speed), whose backward costs two forwards, or over materialised
-    scores ("materialized")."""
+    scores ("materialized"). Under context parallelism a rank computes its queries against every key, 1/cp
+    of the causal work (its chunks balance it), in cp ring steps, one kernel's worth each."""
     model = job.model
     heads = model.attention.n_heads // layout.tp
     head_dim = head_dim_of(model)
+    queries = layout.micro_batch * layout.local_seq_len(job)
     if kernel == "materialized":
-        square = layout.micro_batch * heads * job.seq_len**2
+        square = queries * heads * job.seq_len
         matmuls_s = gemm_seconds(4.0 * square * head_dim, profile, job.dtype)  # both, over the whole square
         memory_s = square * job.precision.activation_bytes / 2 / profile.hbm_bytes_per_s
         return (
@@ -169,10 +171,11 @@ def _attention_seconds(
             2 * matmuls_s + MATERIALIZED_BYTES_BACKWARD * memory_s,
         )
     keys = keys_per_query(job.seq_len, model.attention.window)
-    flops = 4 * layout.micro_batch * job.seq_len * keys * heads * head_dim
+    flops = 4 * queries * keys * heads * head_dim
     efficiency = profile.attention_efficiency * (1.0 if kernel == "flash2" else FLASH_ATTENTION_1_SPEED)
-    if profile.attention_half_flops:  # small kernels (few heads per rank) fill fewer of the device's units
-        efficiency *= 3 * flops / (3 * flops + profile.attention_half_flops)
+    if profile.attention_half_flops:  # small kernels (few heads per rank, a ring step's) fill fewer units
+        kernel_flops = flops / layout.cp
+        efficiency *= 3 * kernel_flops / (3 * kernel_flops + profile.attention_half_flops)
     forward_s = flops / (profile.peak_flops(job.dtype) * efficiency)
     return forward_s, 2 * forward_s
 
@@ -181,8 +184,8 @@ def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> 
     """The vocabulary projection (on the last stage), forward + backward, and the host's time for the
     model's parts outside its blocks (all of it counted on the slowest stage: the last, whose output
     layer and loss cost the most)."""
-    tokens = layout.micro_batch * job.seq_len
+    tokens = layout.micro_batch * layout.local_seq_len(job)
     flops = 2 * tokens * job.model.dim * job.model.vocab_size / layout.tp
     host_s = profile.model_overhead_s + (profile.tp_model_overhead_s if layout.tp > 1 else 0.0)
-    host_s += profile.dp_model_overhead_s if layout.dp > 1 and layout.zero_stage >= 2 else 0.0
+    host_s += profile.dp_model_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0
     return 3 * gemm_seconds(flops, profile, job.dtype) + host_s

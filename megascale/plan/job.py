@@ -45,7 +45,12 @@ class Job:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the job is spread over devices; tp x pp x dp = devices."""
+    """How the job is spread over devices; tp x pp x dp x cp = devices.
+
+    `dp` counts the batches one step reads at once (data-parallel replicas of the work); the `cp` ranks of
+    a context-parallel ring split each of those batches' sequences and are counted apart from it. They are
+    data-parallel ranks to the weights all the same: gradients are reduced, and ZeRO shards, over dp x cp
+    ranks (`fsdp_ranks`), as megascale's trainer puts cp inside `parallel.dp_shard`."""
 
     tp: int = 1
     pp: int = 1
@@ -68,14 +73,27 @@ class Layout:
     # the whole weights and a share of the sequence; queries, keys and values exchanged by all-to-all to
     # split the heads for the attention core: DeepSpeed-Ulysses, MegaScale-MoE's attention).
     attention: str = "tp"
+    # Context parallelism (docs/planning.md, "Context parallelism"): every sequence split over cp adjacent
+    # data-parallel ranks, 2 of its 2 x cp chunks each, attention passing keys and values around their ring.
+    cp: int = 1
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks that hold the same weights (ZeRO shards and gradient reduction span them): the data- and
+        context-parallel ranks."""
+        return self.dp * self.cp
 
     def micro_batches(self, job: Job) -> int:
         """Micro-batches each pipeline runs per step."""
         return job.global_batch // (self.dp * self.micro_batch)
+
+    def local_seq_len(self, job: Job) -> int:
+        """Positions of each sequence one rank computes: its 2 chunks of 2 x cp under context parallelism."""
+        return job.seq_len // self.cp
 
     @property
     def experts_over_tp(self) -> bool:
@@ -89,8 +107,9 @@ class Layout:
             experts = f" ep{self.ep}=tp" + (f" x {self.ep // self.tp}" if self.ep > self.tp else "")
         else:
             experts = f" ep{self.ep}" if self.ep > 1 else ""
+        context = f" cp{self.cp}" if self.cp > 1 else ""
         return (
-            f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{experts} mb{self.micro_batch} "
+            f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{context}{experts} mb{self.micro_batch} "
             f"zero{self.zero_stage} recompute={self.recompute}"
         )
 
@@ -108,6 +127,9 @@ class Features:
     # materialised scores ("materialized": Megatron-LM before FlashAttention, 2021-2022).
     attention_kernel: str = "flash"
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
+    # Context parallelism's ring: each step's keys and values (and in the backward their gradients) sent
+    # to the next rank while the step's attention blocks compute (megascale's parallel.overlap.cp).
+    cp_overlap: bool = False
     # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
     # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep).
     ep_overlap: str = "none"
@@ -140,6 +162,7 @@ MEGASCALE = Features(
     dp_overlap=True,
     fused_kernels=True,
     async_data=True,
+    cp_overlap=True,
     ep_overlap="both",
     moe_tp=("ep",),
     host_overhead_s=0.2,
@@ -163,9 +186,10 @@ class Cluster:
 
 
 def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
-    """The layout a megascale config would train with on `devices` processes."""
+    """The layout a megascale config would train with on `devices` processes: the trainer's dp_shard
+    holds the cp ranks, so the data-parallel degree (batches per step) is the rest over cp."""
     par = cfg.parallel
-    dp = devices // (par.tp * par.pp)
+    dp = devices // (par.tp * par.pp * par.cp)
     over_tp = par.moe_tp == "ep" and par.tp > 1 and cfg.model.moe.experts > 0
     return Layout(
         tp=par.tp,
@@ -173,11 +197,12 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
         dp=dp,
         virtual_stages=par.pp_virtual_stages,
         micro_batch=cfg.training.micro_batch_size,
-        zero_stage=par.zero_stage if dp > 1 else 1,
+        zero_stage=par.zero_stage if dp * par.cp > 1 else 1,
         recompute=par.activation_checkpoint,
         sequence_parallel=par.sequence_parallel,
         ep=par.ep * (par.tp if over_tp else 1),
         moe_tp="ep" if over_tp else "whole",
+        cp=par.cp,
     )
 
 

@@ -9,6 +9,8 @@ dividing everything by t. The attention-score term 5*a*s/h counts only where the
 scores, and selective recomputation (Korthikanti et al.'s) drops exactly them. Full recomputation keeps
 only each block's input. The pipeline's first stage
 holds the most micro-batches in flight: pp of them under 1F1B, pp * (1 + (pp - 1)/(pp * v)) interleaved.
+Context parallelism divides s by cp (each rank keeps its own positions' activations) and adds the ring's
+messages in flight (`megascale.plan.context`); the weights' data-parallel group is dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megascale.models.flops import attention_params, matmul_params_per_layer
+from megascale.plan.context import ring_buffer_bytes
 from megascale.plan.experts import (
     expert_data_parallel,
     moe_activation_bytes,
@@ -59,7 +62,7 @@ def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
     split = layout.tp if layout.attention == "tp" else 1  # "sp" holds every weight whole
     dense_block = matmul_params_per_layer(model) + 2 * model.dim
     rest = ((layers - moe_blocks) * dense_block + vocab) / split
-    groups = [ParamGroup(0.0, layout.dp * (layout.tp // split), split)]
+    groups = [ParamGroup(0.0, layout.fsdp_ranks * (layout.tp // split), split)]
     if moe_blocks:
         shared, routed = moe_block_params(job, layout)
         attention = (attention_params(model) + 2 * model.dim) / split
@@ -80,14 +83,14 @@ def activation_bytes_per_block(
     """Activations one block keeps for its backward, per micro-batch, on one device; with `moe`, a block
     whose MLP (19 of the 34 sbh) is a mixture-of-experts layer (`megascale.plan.experts`); with
     `materialized_scores`, attention without a FlashAttention kernel."""
-    s, b, h, t = job.seq_len, layout.micro_batch, job.model.dim, layout.tp
+    s, b, h, t = layout.local_seq_len(job), layout.micro_batch, job.model.dim, layout.tp
     scale = job.precision.activation_bytes / 2  # the formula counts 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
     if layout.recompute == "full":
         return s * b * h * 2 * scale / (t if sharded else 1)
     dense = s * b * h * (34 / t if sharded else 10 + 24 / t) * scale
     if materialized_scores and layout.recompute == "none":
-        dense += 5 * job.model.attention.n_heads * s * s * b / t * scale
+        dense += 5 * job.model.attention.n_heads * s * job.seq_len * b / t * scale
     return dense * 15 / 34 + moe_activation_bytes(job, layout) if moe else dense
 
 
@@ -118,5 +121,6 @@ def memory_per_device(job: Job, layout: Layout, materialized_scores: bool = Fals
     activations = (blocks - moe_blocks) * activation_bytes_per_block(job, layout, False, materialized_scores)
     activations += moe_blocks * activation_bytes_per_block(job, layout, True, materialized_scores)
     activations *= micro_batches_in_flight(job, layout)
-    logits = 2 * 4 * layout.micro_batch * job.seq_len * job.model.vocab_size / layout.tp  # fp32, and its grad
-    return Memory(weights, grads, optimizer, activations + logits)
+    tokens = layout.micro_batch * layout.local_seq_len(job)
+    logits = 2 * 4 * tokens * job.model.vocab_size / layout.tp  # fp32, and its grad
+    return Memory(weights, grads, optimizer, activations + logits + ring_buffer_bytes(job, layout))

@@ -7,7 +7,11 @@ groups, "which can mitigate cross-minipod communication for data parallelism": D
 and weight in synchronised bursts, PP moves activations at stage boundaries, spread over the step.
 `choose_rank_order` keeps DP groups in the fewest pods and nodes, then PP groups; the orders are exactly the
 ones `parallel.rank_order` accepts (`megascale.parallel.dims.MESH_ORDERS`), so the launcher and the
-trainer number ranks the way the plan placed them.
+trainer number ranks the way the plan placed them. Context parallelism's ranks are data-parallel ranks
+(`parallel.dp_shard` holds them), cp adjacent ones to a ring, innermost, as `ParallelDims` splits
+dp_shard: a ring is cp ranks tp apart, and a DP group (the weights' FSDP and gradient group) is dp x cp
+ranks. `choose_rank_order` weighs a ring's span before a DP group's, as it moves keys and values every
+layer.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ class Placement:
     """A rank order, every rank's coordinates, and how far each kind of group reaches."""
 
     rank_order: str
-    coordinates: list[dict[str, int]]  # indexed by global rank: {"pp", "dp", "tp", "node", "pod"}
-    nodes_spanned: dict[str, int]  # the most nodes any group of each kind ("tp", "dp", "pp", "ep") touches
+    coordinates: list[dict[str, int]]  # indexed by global rank: {"pp", "dp", "cp", "tp", "node", "pod"}
+    nodes_spanned: dict[str, int]  # the most nodes any group of each kind (tp, dp, pp, cp, ep) touches
     pods_spanned: dict[str, int]
 
     def describe(self) -> str:
@@ -39,13 +43,15 @@ class Placement:
 
 
 def rank_coordinates(layout: Layout, rank_order: str) -> list[dict[str, int]]:
-    """Each global rank's (pp, dp, tp), numbered as ParallelDims numbers its mesh (dp_replicate = 1)."""
-    sizes = {"pp": layout.pp, "dp_replicate": 1, "dp_shard": layout.dp, "tp": layout.tp}
+    """Each global rank's (pp, dp, cp, tp), numbered as ParallelDims numbers its mesh (dp_replicate = 1):
+    dp_shard holds the dp x cp ranks, cp innermost."""
+    sizes = {"pp": layout.pp, "dp_replicate": 1, "dp_shard": layout.fsdp_ranks, "tp": layout.tp}
     names = MESH_ORDERS[rank_order]
     coordinates = []
     for index in itertools.product(*(range(sizes[name]) for name in names)):  # row-major: rank order
         where = dict(zip(names, index))
-        coordinates.append({"pp": where["pp"], "dp": where["dp_shard"], "tp": where["tp"]})
+        batch, ring = divmod(where["dp_shard"], layout.cp)
+        coordinates.append({"pp": where["pp"], "dp": batch, "cp": ring, "tp": where["tp"]})
     return coordinates
 
 
@@ -56,7 +62,7 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
     for rank, where in enumerate(coordinates):
         where["node"], where["pod"] = rank // profile.devices_per_node, rank // per_pod
     ep_beyond_tp = layout.ep > (layout.tp if layout.experts_over_tp else 1)  # not just the tp group
-    kinds = ["tp", "dp", "pp"] + (["ep"] if ep_beyond_tp else [])
+    kinds = ["tp", "dp", "pp"] + (["cp"] if layout.cp > 1 else []) + (["ep"] if ep_beyond_tp else [])
     nodes, pods = {}, {}
     for kind in kinds:
         groups: dict[tuple[int, ...], list[dict[str, int]]] = {}
@@ -68,25 +74,30 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
 
 
 def _group_key(where: dict[str, int], kind: str, layout: Layout) -> tuple[int, ...]:
-    """What the ranks of one group of `kind` share: their other coordinates. An expert-parallel group is
-    ep consecutive data-parallel indices (ep innermost within dp, as ParallelDims splits them), or with
-    the experts over the tp ranks ep / tp consecutive data-parallel indices' tp groups."""
+    """What the ranks of one group of `kind` share: their other coordinates. A DP group holds the same
+    weights: its dp x cp ranks share the stage and tp rank. An expert-parallel group is ep consecutive
+    data-parallel indices (ep innermost within dp, as ParallelDims splits them), or with the experts over
+    the tp ranks ep / tp consecutive data-parallel indices' tp groups."""
     if kind == "ep" and layout.experts_over_tp:
         return where["pp"], where["dp"] // (layout.ep // layout.tp)
     if kind == "ep":
         return where["pp"], where["tp"], where["dp"] // layout.ep
-    return tuple(where[name] for name in ("pp", "dp", "tp") if name != kind)
+    if kind == "dp":
+        return where["pp"], where["tp"]
+    return tuple(where[name] for name in ("pp", "dp", "cp", "tp") if name != kind)
 
 
 def choose_rank_order(layout: Layout, profile: HardwareProfile) -> Placement:
     """The order that keeps DP groups in the fewest pods, then nodes, and then PP groups likewise; ties go
     to paper §2's tp-dp-pp. DP comes first as in the paper: its collectives are synchronised bursts of every
-    gradient and weight at the end of a step, while PP's transfers spread over the step behind compute."""
+    gradient and weight at the end of a step, while PP's transfers spread over the step behind compute.
+    A context-parallel ring, which moves keys and values every layer of every micro-batch, comes first."""
 
     def cost(placement: Placement) -> tuple[int, ...]:
         return tuple(
             count
-            for kind in ("dp", "pp")
+            for kind in ("cp", "dp", "pp")
+            if kind in placement.nodes_spanned
             for count in (placement.pods_spanned[kind], placement.nodes_spanned[kind])
         )
 

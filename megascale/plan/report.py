@@ -33,7 +33,7 @@ from megascale.plan.step import estimate_step
 SYSTEMS = {"megascale": MEGASCALE, "megatron-lm": MEGATRON, "trainer": MEGASCALE_TRAINER}
 GROUPS = {
     "compute": ("gemm", "attention", "elementwise", "host_dispatch", "recompute", "output_layer"),
-    "comm": ("tp_exposed", "ep_exposed", "pp_exposed", "dp_exposed"),
+    "comm": ("tp_exposed", "ep_exposed", "cp_exposed", "pp_exposed", "dp_exposed"),
     "bubble": ("bubble",),
     "other": ("stragglers", "core_sharing", "optimizer", "host"),
 }
@@ -50,6 +50,8 @@ EXPLAIN = {
     "tp_exposed": "TP/SP all-gathers and reduce-scatters (or sequence-parallel attention's all-to-alls) "
     "not hidden behind GEMMs",
     "ep_exposed": "expert-parallel dispatch and combine all-to-alls not hidden behind the experts' GEMMs",
+    "cp_exposed": "context parallelism's ring: keys, values and their gradients sent to the next rank, "
+    "what outlasts each ring step's attention blocks (all of it without CP overlap)",
     "pp_exposed": "blocking pipeline sends/receives (none with PP overlap)",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
     "stragglers": "expected wait for the slowest host (--straggler-hosts, --straggler-slowdown)",
@@ -75,7 +77,8 @@ def plan_and_render(args) -> str:
         layout = _config_layout(cfg, args.devices, job)
         plans = [Plan(layout, estimate_step(job, layout, features, profile, cluster))]
     else:
-        fixed = {key: getattr(args, key) for key in ("tp", "pp") if getattr(args, key) is not None}
+        pinned = ("tp", "pp", "cp")
+        fixed = {key: getattr(args, key) for key in pinned if getattr(args, key) is not None}
         plans = search(job, cluster, profile, features, fixed, skip_selective=features.fused_kernels)
     return render(job, plans[: args.top], profile, cluster, system, args.explain)
 
@@ -93,7 +96,7 @@ def _with_network(profile: HardwareProfile, args) -> HardwareProfile:
 def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: str) -> str:
     """The line above every answer: what the prediction takes as given."""
     features = SYSTEMS[system]
-    overlaps = [name for name in ("tp", "pp", "dp") if getattr(features, f"{name}_overlap")]
+    overlaps = [name for name in ("tp", "pp", "dp", "cp") if getattr(features, f"{name}_overlap")]
     overlaps += ["ep"] if features.ep_overlap != "none" else []
     attention = "FlashAttention-2" if features.fused_kernels else features.attention_kernel
     stragglers = (
@@ -119,15 +122,14 @@ def _job(cfg: JobConfig, batch: int | None, system: str) -> Job:
 
 
 def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
+    """The config's own layout on `devices`: its data-parallel ranks (the trainer's dp_shard) hold the cp
+    ranks, so they must divide by cp."""
     par = cfg.parallel
-    if par.cp > 1:
+    ranks = par.tp * par.pp * par.cp
+    if devices % ranks:
+        named = "parallel.tp x parallel.pp" + (" x parallel.cp" if par.cp > 1 else "")
         raise ConfigError(
-            f"plan: parallel.cp = {par.cp}: context parallelism is not in the cost model yet; plan the "
-            "layout with parallel.cp = 1, or drop --config-layout to search"
-        )
-    if devices % (par.tp * par.pp):
-        raise ConfigError(
-            f"plan: --devices {devices} is not a multiple of parallel.tp x parallel.pp = {par.tp * par.pp}; "
+            f"plan: --devices {devices} is not a multiple of {named} = {ranks}; "
             "give a multiple, or drop --config-layout to search"
         )
     layout = layout_from_config(cfg, devices)
@@ -139,15 +141,22 @@ def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
     return layout
 
 
-def config_overrides(layout: Layout, rank_order: str, moe: bool = False) -> str:
-    """The overrides that make `megascale train` run `layout` (or why it cannot); `moe`: of an MoE model."""
+def config_overrides(layout: Layout, rank_order: str, moe: bool = False, rope: bool = True) -> str:
+    """The overrides that make `megascale train` run `layout` (or why it cannot); `moe`: of an MoE model,
+    `rope`: of one with rotary positions (the trainer's context parallelism needs them)."""
     if layout.attention == "sp" or (moe and layout.tp > 1 and layout.moe_tp == "split"):
         return (
             "not by megascale's trainer: sequence-parallel attention, or experts split over the tp ranks, "
             "are MegaScale-MoE's and Megatron-LM's layouts (plan with --system trainer for layouts it trains)"
         )
+    if layout.cp > 1 and not rope:
+        return (
+            "not by megascale's trainer: its context parallelism needs rotary positions "
+            "(model.position = 'rope'), as a learned position table is read by contiguous position"
+        )
     schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b"
-    zero = f" --parallel.zero_stage={layout.zero_stage}" if layout.dp > 1 else ""
+    zero = f" --parallel.zero_stage={layout.zero_stage}" if layout.fsdp_ranks > 1 else ""
+    zero += f" --parallel.cp={layout.cp}" if layout.cp > 1 else ""
     ep = layout.ep // layout.tp if layout.experts_over_tp else layout.ep
     zero += " --parallel.moe_tp=ep" if layout.experts_over_tp and layout.tp > 1 else ""
     zero += f" --parallel.ep={ep}" if ep > 1 else ""
@@ -188,7 +197,8 @@ def render(
         f"memory limit {limit_gb:.1f} GB per device ({MEMORY_HEADROOM:.0%} of "
         f"{profile.hbm_bytes / 1e9:.0f} GB{' shared by the processes' if profile.host_cores else ''})",
         f"placement of #1: {placement.describe()}",
-        f"train #1 with: {config_overrides(best.layout, placement.rank_order, is_moe(model))}",
+        "train #1 with: "
+        + config_overrides(best.layout, placement.rank_order, is_moe(model), model.position == "rope"),
     ]
     if explain:
         lines += explain_lines(best, profile)

@@ -1,10 +1,11 @@
 """Parallel-strategy search: every legal layout of a job on a cluster, kept if it fits, ranked by step time.
 
 The automatic strategy veGiantModel offered (DESIGN.md, plan/), over the same choices megascale's config
-exposes: TP within a node, pipeline stages and interleaved chunks, micro-batch size, ZeRO stage and
-recomputation. A layout is legal under the rules `megascale.parallel.dims.ParallelDims` enforces (degrees
-dividing heads and the vocabulary, the batch dividing evenly, at least pp micro-batches, interleaving
-needing a multiple of pp); it is kept if its peak memory fits the device with MEMORY_HEADROOM to spare.
+exposes: TP within a node, pipeline stages and interleaved chunks, context parallelism for long sequences,
+micro-batch size, ZeRO stage and recomputation. A layout is legal under the rules
+`megascale.parallel.dims.ParallelDims` enforces (degrees dividing heads and the vocabulary, the batch
+dividing evenly, at least pp micro-batches, interleaving needing a multiple of pp, the sequence splitting
+into 2 x cp chunks); it is kept if its peak memory fits the device with MEMORY_HEADROOM to spare.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from megascale.plan.step import StepEstimate, estimate_step
 MEMORY_HEADROOM = 0.9  # of device memory usable by the model: the allocator, CUDA context, NCCL buffers
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 MAX_VIRTUAL_STAGES = 8
+# Positions of each sequence a cp rank keeps, at least: the model leaves out what a ring step costs beyond
+# its transfer and blocks (launches, merging each step's output), which short chunks feel; Llama 3 ran
+# context parallelism at 131,072 over 16 ranks (8,192 each) and none at 8,192 (docs/planning.md).
+MIN_CONTEXT_POSITIONS = 8192
 
 
 @dataclass(frozen=True)
@@ -44,30 +49,54 @@ def candidate_layouts(
     """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8}). An MoE model's layers go over the
     tp ranks in each of the system's ways (`features.moe_tp`), its experts over any ep that fits."""
     features = features or Features()
-    model = job.model
     layouts = []
+    for tp, pp, cp, dp in _degrees(job, devices, profile, features):
+        for micro_batch in MICRO_BATCHES:
+            if (job.global_batch // dp) % micro_batch:
+                continue
+            micro_batches = job.global_batch // (dp * micro_batch)
+            if pp > 1 and micro_batches < pp:
+                continue
+            for virtual_stages in _virtual_stage_choices(job.model.n_layers, pp, micro_batches):
+                for zero_stage in features.zero_stages if dp * cp > 1 else (1,):
+                    for recompute in recomputes:
+                        base = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute, cp=cp)
+                        for layout in _expert_layouts(job, base, features):
+                            if all(getattr(layout, key) == value for key, value in fixed.items()):
+                                layouts.append(layout)
+    return layouts
+
+
+def _degrees(
+    job: Job, devices: int, profile: HardwareProfile, features: Features
+) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, cp, dp) of every legal split of the devices: TP within a node and dividing what it shards,
+    no more stages than layers, the batch dividing over dp."""
+    model = job.model
+    shapes = (model.dim, model.attention.n_heads, model.attention.n_kv_heads, model.vocab_size)
+    degrees = []
     for tp in divisors(devices) if features.model_parallel else [1]:
-        shapes = (model.dim, model.attention.n_heads, model.attention.n_kv_heads, model.vocab_size)
         if tp > profile.devices_per_node or any(size % tp for size in shapes):
             continue
         for pp in divisors(devices // tp) if features.model_parallel else [1]:
-            dp = devices // (tp * pp)
-            if pp > model.n_layers or job.global_batch % dp:
-                continue
-            for micro_batch in MICRO_BATCHES:
-                if (job.global_batch // dp) % micro_batch:
-                    continue
-                micro_batches = job.global_batch // (dp * micro_batch)
-                if pp > 1 and micro_batches < pp:
-                    continue
-                for virtual_stages in _virtual_stage_choices(model.n_layers, pp, micro_batches):
-                    for zero_stage in features.zero_stages if dp > 1 else (1,):
-                        for recompute in recomputes:
-                            base = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute)
-                            for layout in _expert_layouts(job, base, features):
-                                if all(getattr(layout, key) == value for key, value in fixed.items()):
-                                    layouts.append(layout)
-    return layouts
+            for cp in _context_choices(job, devices // (tp * pp), features):
+                dp = devices // (tp * pp * cp)
+                if pp <= model.n_layers and job.global_batch % dp == 0:
+                    degrees.append((tp, pp, cp, dp))
+    return degrees
+
+
+def _context_choices(job: Job, ranks: int, features: Features) -> list[int]:
+    """Context-parallel degrees for `ranks` data-parallel ranks: powers of two dividing them whose 2 x cp
+    chunks split the sequence evenly, leaving each rank MIN_CONTEXT_POSITIONS at least; 1 alone for an
+    MoE model or a system without model parallelism."""
+    if not features.model_parallel or is_moe(job.model):
+        return [1]
+    choices, cp = [1], 2
+    while ranks % cp == 0 and job.seq_len % (2 * cp) == 0 and job.seq_len // cp >= MIN_CONTEXT_POSITIONS:
+        choices.append(cp)
+        cp *= 2
+    return choices
 
 
 def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout]:

@@ -3,7 +3,8 @@
 A step is the pipeline's work plus what the schedule cannot hide:
 
     step = straggler * (m + bubble) * t_mb + core sharing + exposed DP + sharing * optimizer + host
-    t_mb = blocks_per_stage * (block + exposed TP/SP) [+ output layer on the last stage] + exposed PP p2p
+    t_mb = blocks_per_stage * (block + exposed TP/SP + exposed CP ring) [+ output layer on the last stage]
+           + exposed PP p2p
 
 t_mb is one micro-batch through the slowest stage (forward and backward). The bubble is (pp - 1) micro-
 batch times for 1F1B and (pp - 1)/v for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021).
@@ -11,6 +12,8 @@ What each overlap of paper §3.2 hides:
 - TP/SP: the all-gather fused into the column-parallel GEMM and the reduce-scatter into the row-parallel
   one (Fig. 3) hide all but the first of TP_OVERLAP_CHUNKS chunks, as far as the GEMMs last; with a serial
   block only the MLP's pair is fused, half the traffic.
+- CP: the ring's keys and values (and their gradients) sent while each ring step's attention blocks
+  compute hide as far as the blocks last (`megascale.plan.context`).
 - PP: decoupled, asynchronous sends and receives leave no transfer on the critical path in the steady
   phase; without them every transfer of a micro-batch is waited for.
 - DP: per-chunk all-gathers before each chunk's forward and reduce-scatters after its backward leave only
@@ -48,6 +51,7 @@ from megascale.plan.compute import (
     gemm_seconds,
     output_layer_seconds,
 )
+from megascale.plan.context import context_problem, exposed_ring_seconds
 from megascale.plan.experts import (
     MoEWork,
     exposed_all_to_all_seconds,
@@ -81,7 +85,7 @@ def estimate_step(
     job: Job, layout: Layout, features: Features, profile: HardwareProfile, cluster: Cluster
 ) -> StepEstimate:
     """Predict one step of `job` laid out as `layout` on `cluster` devices of `profile`."""
-    if problem := layout_problem(job, layout):
+    if problem := layout_problem(job, layout) or context_problem(job, layout):
         raise ConfigError(f"plan: layout {layout.describe()}: {problem}")
     model, m = job.model, layout.micro_batches(job)
     blocks = model.n_layers / layout.pp
@@ -102,10 +106,11 @@ def estimate_step(
     ep_exposed_s = per_micro_batch(
         lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap) if moe else 0.0
     )
+    cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # no MoE beside cp
     output_s = output_layer_seconds(job, layout, profile)
     pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile, features)
     compute_s = per_micro_batch(lambda block, moe: block.total_s)
-    micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + output_s + pp_exposed_s
+    micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s + pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
     dp_exposed_s = _dp_exposed_seconds(job, layout, profile, features, micro_batch_s)
@@ -118,6 +123,7 @@ def estimate_step(
         "output_layer": m * output_s,
         "tp_exposed": m * tp_exposed_s,
         "ep_exposed": m * ep_exposed_s,
+        "cp_exposed": m * cp_exposed_s,
         "pp_exposed": m * pp_exposed_s,
         "bubble": bubble * micro_batch_s,
         "stragglers": (slowdown - 1) * (m + bubble) * micro_batch_s,
@@ -160,7 +166,7 @@ def _tp_exposed_seconds(
     if moe is None and layout.attention == "tp":
         return _megatron_tp_exposed_seconds(job, layout, profile, features, block.gemm_s)
     full = layout.recompute == "full"
-    payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes
+    payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     gather_s = gather_or_scatter_seconds(
         payload, layout.tp, profile, group_spans_nodes(1, layout.tp, profile.devices_per_node)
     )
@@ -190,7 +196,7 @@ def _megatron_tp_exposed_seconds(
     # and all-gathers backward. A serial block has two of each, a parallel block (PTB) one.
     groups = 1 if job.model.block == "parallel" else 2
     collectives = groups * (5 + (2 if layout.recompute == "full" else 0))
-    payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes
+    payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     cross = group_spans_nodes(1, layout.tp, profile.devices_per_node)
     comm_s = collectives * gather_or_scatter_seconds(payload, layout.tp, profile, cross)
     if not features.tp_overlap:
@@ -210,7 +216,7 @@ def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: Hard
     the attention's output back."""
     model = job.model
     head_dim = head_dim_of(model)
-    tokens = layout.micro_batch * job.seq_len / layout.tp
+    tokens = layout.micro_batch * layout.local_seq_len(job) / layout.tp
     nbytes = job.precision.activation_bytes
     qkv = tokens * (model.attention.n_heads + 2 * model.attention.n_kv_heads) * head_dim * nbytes
     out = tokens * model.attention.n_heads * head_dim * nbytes
@@ -226,8 +232,9 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
     if layout.pp == 1:
         return 0.0
     shard = layout.tp if layout.sequence_parallel or features.pp_scatter_gather else 1
-    payload = layout.micro_batch * job.seq_len * job.model.dim * job.precision.activation_bytes / shard
-    cross = group_spans_nodes(layout.tp * layout.dp, layout.pp, profile.devices_per_node)
+    tokens = layout.micro_batch * layout.local_seq_len(job)
+    payload = tokens * job.model.dim * job.precision.activation_bytes / shard
+    cross = group_spans_nodes(layout.tp * layout.fsdp_ranks, layout.pp, profile.devices_per_node)
     return 2 * layout.virtual_stages * send_seconds(payload, profile, cross)
 
 
@@ -314,9 +321,9 @@ def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> fl
     grad_bytes = held_grads * 2 * precision.grad_bytes
     per_block_s = profile.update_layer_overhead_s
     per_block_s += profile.tp_update_layer_overhead_s if layout.tp > 1 else 0.0
-    per_block_s += profile.dp_update_layer_overhead_s if layout.dp > 1 else 0.0
+    per_block_s += profile.dp_update_layer_overhead_s if layout.fsdp_ranks > 1 else 0.0
     rest_s = profile.update_model_overhead_s
     rest_s += profile.tp_update_model_overhead_s if layout.tp > 1 else 0.0
-    rest_s += profile.dp_update_model_overhead_s if layout.dp > 1 else 0.0
+    rest_s += profile.dp_update_model_overhead_s if layout.fsdp_ranks > 1 else 0.0
     host_s = job.model.n_layers / layout.pp * per_block_s + rest_s
     return (update_bytes + grad_bytes) / profile.hbm_bytes_per_s + host_s

@@ -1,7 +1,8 @@
 """Context parallelism (parallel/context.py) against one process: the ring attention's output and the
 gradients of every rank's queries, keys and values, for causal and sliding-window attention with grouped kv
-heads, over 2 and 4 ranks; and a model's loss and every gradient in cp layouts with dp and tp. Whole
-training runs with cp are rows of the parity matrix."""
+heads, over 2 and 4 ranks; and a model's loss and every gradient in cp layouts with dp and tp, dense and
+MoE (with capacity, the balancing loss and expert parallelism). Whole training runs with cp are rows of the
+parity matrix."""
 
 import copy
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from megascale.config import load_config
 from megascale.models.attention import causal_attention
 from megascale.models.llama import Attention, Transformer
+from megascale.models.moe import MoE, training_step
 from megascale.parallel.context import RingAttention, chunk_positions, ring_attention, shard_sequence
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.parallelize import parallelize
@@ -67,6 +69,50 @@ def test_ring_attention_gives_the_whole_sequences_output_and_gradients(world, wi
         assert difference < 1e-5
 
 
+def _backward_transfers(rank: int, world: int, overlap: bool) -> str:
+    """The ring backward's transfers issued (I) and waited for (W) on this rank, and its runs of blocks
+    (B), in order."""
+    from megascale.parallel import context
+
+    q, k, v, upstream = _inputs()
+    mine = [shard_sequence(t, world, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    got = ring_attention(*mine, dist.group.WORLD, None, overlap)
+    events: list[str] = []
+    functions = context._issue, context._wait, context._scores
+
+    def recording(letter, function):
+        def recorded(*args, **kwargs):
+            if not events or letter != "B" or events[-1] != "B":
+                events.append(letter)
+            return function(*args, **kwargs)
+
+        return recorded
+
+    context._issue, context._wait, context._scores = map(recording, "IWB", functions)
+    try:
+        (got * shard_sequence(upstream, world, rank, dim=2)).sum().backward()
+    finally:
+        context._issue, context._wait, context._scores = functions
+    return "".join(events)
+
+
+@pytest.mark.parametrize(
+    "world, overlap, expected",
+    [
+        # Each step but the last sends the next keys and values (I) before its blocks (B); from the
+        # second step on, the gradients the ranks before summed are waited for (W) after the blocks.
+        (2, True, "IBIW" + "BWIW"),
+        (4, True, "IBIW" + "IBWIW" * 2 + "BWIW"),
+        # Without overlap every transfer is waited for between the steps.
+        (2, False, "BIIW" + "WBIW"),
+    ],
+    ids=["cp2", "cp4", "cp2-no-overlap"],
+)
+def test_the_ring_backward_receives_the_key_gradients_behind_the_next_steps_blocks(world, overlap, expected):
+    for events in run_ranks(_backward_transfers, world, overlap, timeout_s=120):
+        assert events == expected
+
+
 def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) -> float:
     cfg = load_config(None, [*TINY, *overrides])  # the suite's tiny model, 4 sequences in 2 micro-batches
     torch.manual_seed(0)
@@ -81,9 +127,17 @@ def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) 
     batches = [(chunk[:, :-1], chunk[:, 1:]) for chunk in share.chunk(2)]
     loss = full_tensor(stepped.forward_backward(batches, next_token_loss))
     dist.all_reduce(loss)  # each rank's mean over its tokens (the same on tp ranks): a mean over ranks
-    expected = next_token_loss(reference(tokens[:, :-1]), tokens[:, 1:])
-    expected.backward()
+    with training_step():  # the balancing loss of an MoE model weighs in, as in forward_backward
+        expected = next_token_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+        expected.backward()
     differences = [abs(float(loss) / world - float(expected))]
+    # Dropped token slots (capacity): the ranks' sum, each tp rank routing the same tokens, is one process's.
+    layers = [layer for layer in model.modules() if isinstance(layer, MoE)]
+    if layers:
+        dropped = torch.stack([layer.dropped for layer in layers]).sum()
+        dist.all_reduce(dropped)
+        kept = sum(float(layer.dropped) for layer in reference.modules() if isinstance(layer, MoE))
+        differences.append(abs(float(dropped) / dims.tp - kept))
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         assert got.grad is not None and want.grad is not None, name
         differences.append(float((full_tensor(got.grad) - want.grad).abs().max()))
@@ -103,4 +157,23 @@ def _gradients_against_one_process(rank: int, world: int, overrides: list[str]) 
 )
 def test_context_parallel_gives_one_process_loss_and_gradients(world, overrides):
     for difference in run_ranks(_gradients_against_one_process, world, overrides, timeout_s=180):
+        assert difference < 1e-5
+
+
+MOE = ["--model.moe.experts=4", "--model.moe.top_k=2", "--model.moe.aux_loss_coeff=0.1"]
+CAPACITY = ["--model.moe.capacity_factor=1.0"]  # drops slots: which depends on the whole sequence's order
+
+
+@pytest.mark.parametrize(
+    "world, overrides",
+    [
+        (2, ["--parallel.cp=2", *CAPACITY]),
+        (4, ["--parallel.cp=4", *CAPACITY, "--model.moe.score=sigmoid"]),
+        (2, ["--parallel.cp=2", "--parallel.ep=2", *CAPACITY]),  # the ring's ranks hold different experts
+        (4, ["--parallel.cp=2", "--parallel.tp=2"]),  # the MoE layer whole on each tp rank
+    ],
+    ids=["cp2-capacity", "cp4-capacity-sigmoid", "cp2-x-ep2", "cp2-x-tp2"],
+)
+def test_context_parallel_moe_gives_one_process_loss_gradients_and_drops(world, overrides):
+    for difference in run_ranks(_gradients_against_one_process, world, [*MOE, *overrides], timeout_s=180):
         assert difference < 1e-5

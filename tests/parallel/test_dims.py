@@ -138,9 +138,9 @@ def test_dp_shard_takes_the_rest_of_the_world():
         ),
         (2, ["--parallel.cp=2", "--model.position=learned"], "model.position = 'learned' cannot be used"),
         (
-            2,
-            ["--parallel.cp=2", "--model.moe.experts=4"],
-            "model.moe.experts = 4 cannot be used with parallel.cp",
+            8,
+            ["--parallel.cp=2", "--parallel.tp=2", "--model.moe.experts=4", "--parallel.moe_tp=ep"],
+            "parallel.moe_tp = 'ep' cannot be used with parallel.cp = 2",
         ),
         (
             8,

@@ -8,6 +8,7 @@ from megascale.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_175B = str(REPO / "configs" / "paper-175b.toml")
+LONG_CONTEXT = str(REPO / "configs" / "long-context.toml")  # parallel.cp = 2, sequence 1,024
 
 
 def plan(capsys, *argv):
@@ -86,9 +87,14 @@ def test_overrides_change_the_model(capsys):
         (["--devices", "8", "--config", PAPER_175B, "--batch", "8"], "plan: no layout fits"),
         (["--devices", "8", "--model.nope=1"], "model.nope"),
         (
-            ["--devices", "8", "--parallel.dp_shard=4", "--parallel.cp=2", "--config-layout"],
-            "plan: parallel.cp = 2: context parallelism is not in the cost model yet",
+            ["--devices", "3", "--config", LONG_CONTEXT, "--config-layout"],
+            "--devices 3 is not a multiple of parallel.tp x parallel.pp x parallel.cp = 2",
         ),
+        (
+            ["--devices", "2", "--config", LONG_CONTEXT, "--config-layout", "--data.seq_len=1022"],
+            "sequence 1022 does not split into 2 x cp = 4 equal chunks",
+        ),
+        (["--devices", "8", "--cp", "0"], "plan: --cp 0 must be >= 1"),
         (["--devices", "8", "--nic-gbps", "0"], "plan: --nic-gbps 0.0 must be > 0"),
         (["--devices", "8", "--gpus-per-node", "0"], "plan: --gpus-per-node 0 must be >= 1"),
         (["--devices", "8", "--straggler-hosts", "2"], "plan: --straggler-hosts 2.0 must be between 0 and 1"),
@@ -124,3 +130,14 @@ def test_a_gpu_plan_states_its_assumptions_in_bf16_without_stragglers_unless_ask
     assert "NIC 25 Gb/s" in slow_network and "0.01 of hosts 10% slower" in slow_network
     step = lambda out: float(out.splitlines()[3].split()[-8])  # noqa: E731
     assert step(slow_network) > step(fast_network)
+
+
+def test_a_config_with_context_parallelism_plans_its_own_layout(capsys):
+    """configs/long-context.toml splits each sequence over a ring of 2: on 2 GPUs that is dp 1 x cp 2,
+    its ring's exposed time is a term, the placement says where the ring sits, and the overrides keep it."""
+    status, out, _ = plan(capsys, "--config", LONG_CONTEXT, "--devices", "2", "--config-layout", "--explain")
+    assert status == 0
+    assert "tp1 pp1 dp1 cp2 mb4" in out and "overlapped: tp, pp, dp, cp" in out
+    assert "\n  cp_exposed " in out
+    assert "CP groups span 1 node(s) in 1 pod(s)" in out
+    assert "--parallel.cp=2" in out

@@ -49,3 +49,15 @@ def test_expert_parallel_groups_are_consecutive_data_parallel_ranks():
     assert four.nodes_spanned["ep"] == 1 and eight.nodes_spanned["ep"] == 2
     assert "EP groups span 1 node(s)" in four.describe()
     assert "ep" not in place(Layout(tp=2, dp=8), A100, "tp-dp-pp").nodes_spanned
+
+
+def test_context_parallel_rings_are_adjacent_data_parallel_ranks_as_parallel_dims_numbers_them():
+    """dp_shard holds dp x cp ranks, cp innermost (ParallelDims' (batch, cp) reshape): with tp 2 a ring of
+    4 is 8 consecutive ranks, one node, while the DP group (the weights' FSDP group) is all dp x cp."""
+    layout = Layout(tp=2, dp=2, cp=4)
+    for rank, where in enumerate(rank_coordinates(layout, "tp-dp-pp")):
+        assert rank == (where["dp"] * 4 + where["cp"]) * 2 + where["tp"]
+    placement = choose_rank_order(layout, A100)
+    assert placement.nodes_spanned["cp"] == 1 and placement.nodes_spanned["dp"] == 2
+    assert "CP groups span 1 node(s)" in placement.describe()
+    assert "cp" not in place(Layout(tp=2, dp=8), A100, "tp-dp-pp").nodes_spanned

@@ -8,7 +8,7 @@ from megascale.errors import ConfigError
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import MEGASCALE, Cluster, Job
 from megascale.plan.paper import MODEL_175B, with_ptb_swa
-from megascale.plan.search import MEMORY_HEADROOM, search
+from megascale.plan.search import MEMORY_HEADROOM, MIN_CONTEXT_POSITIONS, candidate_layouts, search
 
 A100 = PROFILES["a100"]
 JOB = Job(with_ptb_swa(MODEL_175B), seq_len=2048, global_batch=768)
@@ -65,3 +65,17 @@ def test_the_search_offers_only_the_zero_stages_the_system_has():
     fsdp_only = dataclasses.replace(MEGASCALE, model_parallel=False)
     assert {(p.layout.tp, p.layout.pp) for p in search(small, Cluster(256), A100, fsdp_only)} == {(1, 1)}
     assert len({(p.layout.tp, p.layout.pp) for p in search(small, Cluster(256), A100, MEGASCALE)}) > 1
+
+
+def test_context_parallelism_is_offered_for_long_sequences_only():
+    """Each cp rank keeps MIN_CONTEXT_POSITIONS (8,192) of a sequence at least: no cp at 2,048, up to 4
+    at 32,768; --cp pins it."""
+    short = {plan.layout.cp for plan in search(JOB, Cluster(256), A100, MEGASCALE)}
+    long_model = dataclasses.replace(JOB.model, max_seq_len=32768)
+    long_job = dataclasses.replace(JOB, model=long_model, seq_len=32768)
+    offered = candidate_layouts(long_job, 256, A100, {}, ("none",), MEGASCALE)
+    assert short == {1}
+    assert MIN_CONTEXT_POSITIONS == 8192 and {layout.cp for layout in offered} == {1, 2, 4}
+    assert all(layout.devices == 256 for layout in offered)
+    pinned = candidate_layouts(long_job, 256, A100, {"cp": 2}, ("none",), MEGASCALE)
+    assert pinned and {layout.cp for layout in pinned} == {2}

@@ -1,0 +1,91 @@
+"""Context parallelism in the cost model: the ring attention's transfers, what of them the attention hides,
+and the buffers they need (docs/planning.md, "Context parallelism").
+
+Each of the cp ranks of a ring holds 2 of the 2 x cp equal chunks of every sequence (chunk r and its mirror
+2cp-1-r), so every token-wise operator runs on 1/cp of the tokens and every rank has the same 1/cp of the
+causal attention's work (`megascale.plan.compute`). Attention takes cp ring steps (megascale's
+`megascale.parallel.context`): at each a rank computes its queries against the keys and values it holds
+while sending them on to the next rank, one message of both stacked; the backward sends them around
+again and passes their gradients (the same size) along the ring, back to their owner after the last step.
+Per block and micro-batch that is cp - 1 messages forward (again under full recomputation) and
+(cp - 1) + cp backward, each over the link between neighbours: the cp ranks are adjacent data-parallel
+ranks, tp apart (`megascale.plan.placement`), so a ring leaves the node once tp x cp exceeds it. With the
+overlap (`Features.cp_overlap`) a step's transfers run beside its blocks and only what outlasts them is
+exposed, plus the gradients' last hop home; without it every transfer is waited for.
+"""
+
+from __future__ import annotations
+
+from megascale.config import head_dim_of
+from megascale.plan.comm import group_spans_nodes, send_seconds
+from megascale.plan.compute import attention_seconds
+from megascale.plan.experts import is_moe
+from megascale.plan.hardware import HardwareProfile
+from megascale.plan.job import Features, Job, Layout
+
+# Ring messages a rank holds at its peak, in the backward: the keys and values it holds and those arriving,
+# and their gradients held and arriving (`megascale.parallel.context._ring_backward`).
+RING_BUFFERS = 4
+
+
+def context_problem(job: Job, layout: Layout) -> str | None:
+    """Why this layout's context parallelism cannot run (or is not modelled), or None."""
+    if layout.cp < 1:
+        return f"cp {layout.cp} must be >= 1"
+    if layout.cp == 1:
+        return None
+    if job.seq_len % (2 * layout.cp):
+        return f"sequence {job.seq_len} does not split into 2 x cp = {2 * layout.cp} equal chunks"
+    if is_moe(job.model):
+        return "context parallelism beside MoE layers is not modelled"
+    if layout.attention == "sp":
+        return "context parallelism beside sequence-parallel attention is not modelled"
+    return None
+
+
+def ring_message_bytes(job: Job, layout: Layout) -> float:
+    """One ring message: this rank's keys and values stacked, 2 x local positions x its kv heads x
+    head_dim x micro-batch elements."""
+    model = job.model
+    kv_heads = model.attention.n_kv_heads / layout.tp
+    elements = 2 * layout.local_seq_len(job) * kv_heads * head_dim_of(model) * layout.micro_batch
+    return elements * job.precision.activation_bytes
+
+
+def ring_messages(layout: Layout) -> int:
+    """Messages each rank sends per block and micro-batch: the keys and values cp - 1 times forward (twice
+    under full recomputation) and backward, and their gradients cp times."""
+    if layout.cp == 1:
+        return 0
+    forward_passes = 2 if layout.recompute == "full" else 1
+    return forward_passes * (layout.cp - 1) + (layout.cp - 1) + layout.cp
+
+
+def ring_transfer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
+    """One message to the next rank of the ring: over NVLink inside a node, else one NIC per rank."""
+    cross = group_spans_nodes(layout.tp, layout.cp, profile.devices_per_node)
+    return send_seconds(ring_message_bytes(job, layout), profile, cross)
+
+
+def exposed_ring_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Features) -> float:
+    """The ring's seconds per block and micro-batch (forward + backward) on the critical path. Without the
+    overlap, every message's. With it, per ring step whatever of the step's transfers outlasts its blocks
+    (1/cp of the attention each): forward the keys and values, backward the keys and values and the
+    gradients on one link, and the gradients' last hop home, which nothing hides."""
+    if layout.cp == 1:
+        return 0.0
+    transfer_s = ring_transfer_seconds(job, layout, profile)
+    if not features.cp_overlap:
+        return ring_messages(layout) * transfer_s
+    kernel = "flash2" if features.fused_kernels else features.attention_kernel
+    forward_s, backward_s = attention_seconds(job, layout, profile, kernel)
+    steps = layout.cp
+    forward_passes = 2 if layout.recompute == "full" else 1
+    forward = (steps - 1) * max(0.0, transfer_s - forward_s / steps)
+    backward = (steps - 1) * max(0.0, 2 * transfer_s - backward_s / steps) + transfer_s
+    return forward_passes * forward + backward
+
+
+def ring_buffer_bytes(job: Job, layout: Layout) -> float:
+    """Bytes of ring messages a rank holds at once, beyond its own activations."""
+    return RING_BUFFERS * ring_message_bytes(job, layout) if layout.cp > 1 else 0.0
