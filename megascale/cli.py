@@ -9,6 +9,7 @@ before the inputs have been checked.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -232,6 +233,46 @@ def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.generate import generate
+
+    _no_overrides("generate", extra)
+    generate(
+        Path(args.source),
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        device=args.device,
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.evaluate import evaluate
+
+    score = evaluate(Path(args.source), extra, split=args.split, sequences=args.sequences, device=args.device)
+    figures = {
+        "loss": score.loss,
+        "perplexity": score.perplexity,
+        "bits_per_byte": score.bits_per_byte,
+        "tokens": score.tokens,
+        "bytes": score.bytes,
+        "sequences": score.sequences,
+    }
+    print(
+        f"{args.split}: loss {score.loss:.4f} | perplexity {score.perplexity:.2f} | "
+        f"{score.bits_per_byte:.4f} bits per byte | {score.sequences:,} sequences, {score.tokens:,} tokens, "
+        f"{score.bytes:,} bytes"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     from megascale.convert import export_hf, import_hf
 
@@ -403,6 +444,59 @@ def _add_data_verbs(verbs: Any) -> None:
     convert.set_defaults(run=cmd_convert)
 
 
+def _add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="Where the model runs: 'cpu', 'auto' (the accelerator if there is one), 'cuda', ...",
+    )
+
+
+def _add_checkpoint_verbs(verbs: Any) -> None:
+    """generate, eval: what a checkpoint has learnt."""
+    generate = verbs.add_parser(
+        "generate",
+        help="Sample text from a run's newest checkpoint (or a checkpoint), of any layout, streaming it "
+        "(docs/models.md).",
+    )
+    generate.add_argument("source", help="A run directory or one of its checkpoints.")
+    generate.add_argument("--prompt", default="", help="Text the sample continues (default: none).")
+    generate.add_argument("--max-new-tokens", type=int, default=200, help="Tokens to sample at most.")
+    generate.add_argument(
+        "--temperature", type=float, default=0.8, help="Softmax temperature; 0 takes the likeliest token."
+    )
+    generate.add_argument("--top-k", type=int, default=0, help="Draw from the k likeliest tokens (0: all).")
+    generate.add_argument(
+        "--top-p", type=float, default=1.0, help="Draw from the likeliest tokens up to this probability."
+    )
+    generate.add_argument("--seed", type=int, default=0, help="One seed, one text.")
+    generate.add_argument(
+        "--tokenizer",
+        help="'byte' or a tokenizer.json, for a checkpoint whose run's dataset cannot be prepared again "
+        "(default: the run's).",
+    )
+    _add_device_argument(generate)
+    generate.set_defaults(run=cmd_generate)
+
+    evaluate = verbs.add_parser(
+        "eval",
+        help="A checkpoint's loss, perplexity and bits per byte on a split of its run's dataset, or of "
+        "another given by --data.* overrides (docs/models.md).",
+    )
+    evaluate.add_argument("source", help="A run directory or one of its checkpoints.")
+    evaluate.add_argument("--split", default="validation", choices=["validation", "training"])
+    evaluate.add_argument(
+        "--sequences",
+        type=int,
+        help="Score the split's first N sequences (default: the run's training.val_sequences, as its "
+        "validation; 0: all).",
+    )
+    evaluate.add_argument("--out", metavar="FILE", help="Also write the figures as JSON.")
+    evaluate.epilog = "Overrides: --data.KEY=VALUE fields choose another dataset (same tokenizer)."
+    _add_device_argument(evaluate)
+    evaluate.set_defaults(run=cmd_eval)
+
+
 def _add_measuring_verbs(verbs: Any) -> None:
     """plan, rehearse, calibrate: predicting, rehearsing and measuring."""
     plan = verbs.add_parser(
@@ -451,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_verbs(verbs)
     _add_run_verbs(verbs)
     _add_data_verbs(verbs)
+    _add_checkpoint_verbs(verbs)
     _add_measuring_verbs(verbs)
     return parser
 

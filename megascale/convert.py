@@ -9,7 +9,10 @@ becomes a weights-only checkpoint plus a `train.toml` that trains from it (`chec
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
+
+import torch
 
 from megascale.checkpoint.checkpointer import (
     MANIFEST,
@@ -19,10 +22,14 @@ from megascale.checkpoint.checkpointer import (
     write_checkpoint,
 )
 from megascale.checkpoint.stateful import ModelState
-from megascale.config import JobConfig, from_dict, to_toml
-from megascale.errors import CheckpointError
-from megascale.models.hf import load_hf, save_hf
+from megascale.config import DataConfig, JobConfig, from_dict, to_toml
+from megascale.data.tokenizer import Tokenizer, load_tokenizer
+from megascale.errors import CheckpointError, MegascaleError
+from megascale.models.hf import check_exportable, load_hf, save_hf
+from megascale.models.hf_tokenizer import save_hf_tokenizer
 from megascale.models.llama import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(source: Path) -> str:
@@ -38,13 +45,56 @@ def resolve_checkpoint(source: Path) -> str:
     return checkpoints[-1][1]
 
 
-def export_hf(source: Path, out_dir: Path) -> Path:
-    """Write the model of a run/checkpoint as a Hugging Face folder (models/hf.py says which family)."""
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """A checkpoint's model in one process, the job config it records, and where it is."""
+
+    model: Transformer
+    job: JobConfig  # an imported model's records its model only: the rest is the default
+    checkpoint: str
+    records_data: bool  # whether the job's data section is the run's (its tokenizer can be found)
+
+
+def load_trained(source: Path, device: torch.device | None = None) -> Trained:
+    """The model of a run's newest checkpoint (or of one checkpoint), in one process whatever layout saved
+    it (DCP reshards on load), in evaluation mode, on `device` (the CPU by default)."""
     checkpoint = resolve_checkpoint(source)
-    model_cfg = from_dict({"model": read_manifest(checkpoint)["config"]["model"]}).model
-    model = Transformer(model_cfg)
+    recorded = read_manifest(checkpoint)["config"]
+    job = from_dict(recorded)
+    model = Transformer(job.model)
     load_checkpoint(checkpoint, {"model": ModelState(model)})
-    save_hf(model.state_dict(), model_cfg, out_dir)
+    model.eval()
+    if device is not None:
+        model.to(device)
+    return Trained(model, job, checkpoint, records_data="data" in recorded)
+
+
+def run_tokenizer(data: DataConfig, override: str | None = None) -> Tokenizer:
+    """The tokenizer a run trained with: its prepared dataset's (made again from the data config if the
+    cache was cleared), or `override` ('byte' or a tokenizer.json path)."""
+    if override is not None:
+        return load_tokenizer(override)
+    from megascale.data.prepare import prepare_dataset
+
+    return load_tokenizer(prepare_dataset(data, progress=False))
+
+
+def export_hf(source: Path, out_dir: Path) -> Path:
+    """Write the model of a run/checkpoint as a Hugging Face folder (models/hf.py says which family),
+    with the run's tokenizer (models/hf_tokenizer.py) where it can be found."""
+    trained = load_trained(source)
+    cfg = trained.model.cfg
+    check_exportable(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    token_ids = None
+    if trained.records_data:
+        try:
+            tokenizer = run_tokenizer(trained.job.data)
+        except MegascaleError as err:
+            log.warning("convert: the export has no tokenizer: %s", err)
+        else:
+            token_ids = save_hf_tokenizer(tokenizer, out_dir, cfg.max_seq_len)
+    save_hf(trained.model.state_dict(), cfg, out_dir, token_ids)
     return out_dir
 
 

@@ -42,6 +42,7 @@ from megascale.observe.instruments import Instruments, StepMetrics, format_recor
 from megascale.observe.metrics import MetricsWriter
 from megascale.observe.progress import TrainingProgress, log_to_files, make_console, setup_logging
 from megascale.observe.timeline import Timeline
+from megascale.observe.wandb_sink import WandbSink
 from megascale.optim import apply_settings, build_lr_scheduler, build_optimizer
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, join_job, pick_device
@@ -155,9 +156,9 @@ class Trainer(Stateful):
             progress=cfg.metrics.progress and self.rank == 0,
         )
         log.info(
-            "data: %s (%s tokens, tokenizer vocab %d)",
+            "data: %s (%s, tokenizer vocab %d)",
             self.train_loader.dataset_dir,
-            f"{self.train_loader.num_tokens:,}",
+            "streamed" if cfg.data.streaming else f"{self.train_loader.num_tokens:,} tokens",
             self.train_loader.tokenizer.vocab_size,
         )
 
@@ -254,11 +255,23 @@ class Trainer(Stateful):
         """Train to `training.stop_at_step`, else `training.steps`; checkpoint on schedule, at the end and on
         SIGINT/SIGTERM."""
         training = self.cfg.training
+        metrics = self.cfg.metrics
         writer = MetricsWriter(
             self.run_dir,
-            jsonl=self.cfg.metrics.jsonl and self.rank == 0,
-            tensorboard=self.cfg.metrics.tensorboard and self.rank == 0,
+            jsonl=metrics.jsonl and self.rank == 0,
+            tensorboard=metrics.tensorboard and self.rank == 0,
             purge_step=self.step + 1,
+            wandb=(
+                WandbSink(
+                    self.run_dir,
+                    metrics.wandb,
+                    metrics.wandb_project,
+                    metrics.wandb_entity,
+                    to_dict(self.cfg),
+                )
+                if metrics.wandb != "off" and self.rank == 0
+                else None
+            ),
         )
         end = training.stop_at_step or training.steps
         summary: dict[str, Any] = {"start_step": self.step, "interrupted": False, "end_step": end}

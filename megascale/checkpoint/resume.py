@@ -39,6 +39,9 @@ REPORTED_CHANGES = (
     "training.seed",
     "training.dtype",
     "data.source",
+    "data.mixture",
+    "data.streaming",
+    "data.text_field",
     "data.tokenizer",
     "data.seq_len",
 )

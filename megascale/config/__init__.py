@@ -47,6 +47,7 @@ __all__ = [
     "RopeScalingConfig",
     "TrainingConfig",
     "all_keys",
+    "apply_overrides",
     "fail",
     "flatten_keys",
     "from_dict",
@@ -159,6 +160,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config: {path} is not valid TOML: {err}") from None
         for key, value in flatten_keys(table).items():
             set_key(cfg, key, value, from_text=False)
+    return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: JobConfig, overrides: Sequence[str]) -> JobConfig:
+    """`cfg` with `--section.key=value` overrides set, validated."""
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         if not sep:

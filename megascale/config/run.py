@@ -14,8 +14,10 @@ class DataConfig:
     source: str = option(
         "stdlib",
         "Text to train on: 'stdlib' (the Python standard library's own "
-        "source, present on every machine), a directory, a glob, a .jsonl file, or a "
-        "directory already written by `megascale prepare` (has meta.json).",
+        "source, present on every machine), a directory, a glob, a .jsonl file, a "
+        "directory already written by `megascale prepare` (has meta.json), or files read by Hugging Face "
+        "`datasets`: 'parquet:PATH', 'json:PATH' (JSON Lines), 'arrow:PATH' (a path or glob each) or "
+        "'hf-disk:DIR' (a `save_to_disk` folder); docs/data.md.",
     )
     tokenizer: str = option(
         "byte",
@@ -23,7 +25,24 @@ class DataConfig:
         "locally on the source), or a path to a tokenizer.json.",
     )
     bpe_vocab_size: int = option(8192, "Vocabulary size when training a BPE tokenizer.", ge=260)
-    jsonl_field: str = option("text", "Field holding the text in .jsonl input.")
+    text_field: str = option(
+        "text", "Field (column) holding each document's text in .jsonl and `datasets` input."
+    )
+    jsonl_field: str = option(
+        "text",
+        "Former name of text_field, still read: a value other than 'text' counts while text_field is 'text'.",
+    )
+    streaming: bool = option(
+        False,
+        "Read `datasets` sources as a stream, tokenized while training, instead of preparing token shards "
+        "first; resumes at the exact sample (docs/data.md).",
+    )
+    mixture: str = option(
+        "",
+        "Several sources with weights, replacing data.source: 'SOURCE=WEIGHT' entries separated by commas "
+        "or new lines, e.g. 'parquet:/data/web/*.parquet=0.7, json:/data/code.jsonl=0.3'; each training "
+        "sequence comes from one source, in the weights' proportions. Empty: data.source alone.",
+    )
     cache_dir: str = option(
         "~/.cache/megascale", "Where prepared token shards are cached, keyed by source and tokenizer."
     )
@@ -166,6 +185,15 @@ class MetricsConfig:
 
     jsonl: bool = option(True, "Write metrics.jsonl in the run directory.")
     tensorboard: bool = option(True, "Write TensorBoard scalars under <run_dir>/tensorboard.")
+    wandb: str = option(
+        "off",
+        "Weights & Biases (pip install megascale[wandb]): 'offline' writes the run under <run_dir>/wandb "
+        "for `wandb sync`, 'online' sends it as it goes; the same scalars as metrics.jsonl, the config, "
+        "and the run report at the end. A resumed run continues the same W&B run.",
+        choices=("off", "offline", "online"),
+    )
+    wandb_project: str = option("megascale", "Weights & Biases project.")
+    wandb_entity: str | None = option(None, "Weights & Biases entity (team or user); default: yours.")
     progress: bool = option(
         True,
         "Show a live progress display (off when stdout is not a terminal prints plain log lines instead).",

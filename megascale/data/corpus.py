@@ -143,13 +143,14 @@ class JsonlCorpus(Corpus):
             found = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
             raise DataError(
                 f"{where} has no string field {self.text_field!r} (found: {found or 'nothing'});"
-                " set --data.jsonl_field to the field that holds the text"
+                " set --data.text_field to the field that holds the text"
             )
         return text
 
 
 def open_corpus(source: str, jsonl_field: str = "text") -> Corpus:
-    """The corpus named by data.source: 'stdlib', a directory, a glob, a .jsonl file or a text file."""
+    """The local corpus named by data.source: 'stdlib', a directory, a glob, a .jsonl file (text in field
+    `jsonl_field`) or a text file. Sources read through `datasets` are hf.py's."""
     if source == "stdlib":
         return stdlib_corpus()
     expanded = os.path.expanduser(source)
@@ -159,7 +160,8 @@ def open_corpus(source: str, jsonl_field: str = "text") -> Corpus:
     if not path.exists():
         raise DataError(
             f"data.source = {source!r} does not exist; give 'stdlib', a directory, a glob "
-            "(quoted) or a .jsonl file"
+            "(quoted), a .jsonl file, or files for `datasets` as parquet:PATH, json:PATH, arrow:PATH "
+            "or hf-disk:DIR"
         )
     if path.is_dir():
         files = _walk_text_files(path)

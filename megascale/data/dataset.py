@@ -12,12 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from megascale.data.shards import TokenShards
 from megascale.errors import DataError
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), int64 [sequences, seq_len] each
 
 # A label that adds nothing to a loss (cross-entropy's default ignore_index): validation pads with it.
 IGNORE_INDEX = -100
@@ -73,6 +76,15 @@ class PackedSequences:
     def __len__(self) -> int:
         return self.num_sequences
 
+    @property
+    def directory(self) -> Path:
+        """The prepared dataset the sequences are read from."""
+        return self.shards.directory
+
+    def check_unchanged(self) -> None:
+        """`TokenShards.check_unchanged` of the shards read since the last call."""
+        self.shards.check_unchanged()
+
     def __getitem__(self, index: int) -> np.ndarray:
         if not 0 <= index < self.num_sequences:
             raise IndexError(f"sequence {index} outside [0, {self.num_sequences})")
@@ -88,7 +100,7 @@ class PackedSequences:
         return split_rows(self.rows(indices))
 
 
-def split_rows(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def split_rows(rows: np.ndarray) -> Batch:
     """(inputs, labels) of packed rows [n, seq_len + 1]: all but the last token, all but the first."""
     tokens = torch.from_numpy(rows)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,8 +1,9 @@
 """The loaders the trainer uses: an endless, resumable training stream and a fixed validation set.
 
-`build_dataloaders` is the single entry point: it prepares (or finds) the dataset, opens and verifies
-it, checks that the tokenizer fits the model's embedding, splits it by documents and packs each split
-into sequences. A batch is a memmap slice copied into int64 tensors. MegaScale's two improvements to the
+`build_dataloaders` is the single entry point: it prepares (or finds) the dataset (each source's, for a
+mixture), opens and verifies it, checks that the tokenizer fits the model's embedding, splits it by
+documents and packs each split into sequences; with data.streaming it builds streaming.py's loaders
+instead. A batch is a memmap slice copied into int64 tensors. MegaScale's two improvements to the
 pipeline (paper §3.4) are options of the training loader: a background thread prepares the next step's
 batches while this step runs (data.prefetch, prefetch.py), and the ranks of a node that take the same
 batches read them once, into shared memory (data.share_per_node, node_share.py). Reading from the page
@@ -13,26 +14,28 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.config import DataConfig
-from megascale.data.dataset import IGNORE_INDEX, PackedSequences, split_by_documents, split_rows
+from megascale.data.dataset import Batch, PackedSequences, split_by_documents, split_rows
+from megascale.data.mixture import ConcatSequences, MixtureSampler, ScheduledSequences
 from megascale.data.node_share import RingReader, RingWriter, open_shared_ring
 from megascale.data.prefetch import Prefetcher
-from megascale.data.prepare import prepare_dataset
+from megascale.data.prepare import prepare_sources
 from megascale.data.sampler import SequenceSampler
 from megascale.data.shards import TokenShards
+from megascale.data.sources import Source, data_sources
+from megascale.data.streaming import StreamingTrainLoader, build_streaming_loaders
 from megascale.data.tokenizer import Tokenizer
+from megascale.data.validation import ValLoader, mixed_validation
 from megascale.errors import DataError
 
 log = logging.getLogger(__name__)
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class TrainLoader(Stateful):
@@ -49,7 +52,7 @@ class TrainLoader(Stateful):
 
     def __init__(
         self,
-        sequences: PackedSequences,
+        sequences: PackedSequences | ConcatSequences,
         sampler: SequenceSampler,
         tokenizer: Tokenizer,
         *,
@@ -61,7 +64,7 @@ class TrainLoader(Stateful):
         self.sequences = sequences
         self.sampler = sampler
         self.tokenizer = tokenizer
-        self.dataset_dir: Path = sequences.shards.directory
+        self.dataset_dir: Path = sequences.directory
         self.num_tokens = sequences.num_tokens
         self.num_sequences = sequences.num_sequences
         self.seq_len = sequences.seq_len
@@ -92,7 +95,7 @@ class TrainLoader(Stateful):
         else:
             batch = self._prefetcher.take(position, self.timeout_s, self._waiting_for)
         if isinstance(self._source, ReadShards):
-            self.sequences.shards.check_unchanged()  # the batch was read from the prepared shards
+            self.sequences.check_unchanged()  # the batch was read from the prepared shards
         self.sampler.consumed_sequences = position + self.sampler.positions_per_batch  # taken: now state
         return batch
 
@@ -127,7 +130,9 @@ class ReadShards:
     """This rank's batch at a stream position, read from the shards; published to the node's other ranks
     too when this rank is their reader."""
 
-    def __init__(self, sequences: PackedSequences, sampler: SequenceSampler, ring: RingWriter | None):
+    def __init__(
+        self, sequences: PackedSequences | ConcatSequences, sampler: SequenceSampler, ring: RingWriter | None
+    ):
         self.sequences, self.sampler, self.ring = sequences, sampler, ring
 
     def __call__(self, position: int) -> Batch:
@@ -147,51 +152,6 @@ class TakeShared:
         return split_rows(self.ring.take(position))
 
 
-class ValLoader:
-    """The validation split in order: a fixed set of sequences, shared out among data-parallel ranks.
-
-    The first n sequences are the same whatever the layout, so the validation loss does not depend on it.
-    With data.val_fraction = 0 (or a one-document dataset) there are no sequences and every share is
-    empty.
-    """
-
-    def __init__(
-        self,
-        sequences: PackedSequences | None,
-        micro_batch_size: int,
-        tokenizer: Tokenizer,
-        dataset_dir: Path,
-    ):
-        self.sequences = sequences
-        self.micro_batch_size = micro_batch_size
-        self.tokenizer = tokenizer
-        self.dataset_dir = dataset_dir
-        self.num_tokens = sequences.num_tokens if sequences else 0
-        self.num_sequences = sequences.num_sequences if sequences else 0
-
-    def share(self, sequences: int, rank: int = 0, ranks: int = 1, unit: int = 1) -> list[Batch]:
-        """Rank `rank` of `ranks`' share of the split's first `sequences` sequences (indices wrap where the
-        split is shorter): a contiguous ceil(sequences / ranks) of them, in micro-batches, padded to a whole
-        number of `unit` micro-batches with sequences whose labels are all IGNORE_INDEX. So every rank runs
-        the same number of forwards (the collectives inside them pair up), and each of the `sequences`
-        counts once in a loss summed over tokens."""
-        if self.sequences is None:
-            return []
-        per_rank = -(-sequences // ranks)
-        unit_sequences = unit * self.micro_batch_size
-        slots = -(-per_rank // unit_sequences) * unit_sequences
-        first = rank * per_rank
-        real = max(0, min(per_rank, sequences - first))
-        batches = []
-        for start in range(0, slots, self.micro_batch_size):
-            positions = range(start, start + self.micro_batch_size)
-            inputs, labels = self.sequences.batch([(first + p) % self.num_sequences for p in positions])
-            padding = torch.tensor([p >= real for p in positions])[:, None]
-            labels = torch.where(padding, IGNORE_INDEX, labels)  # a new tensor: labels may view inputs' rows
-            batches.append((inputs, labels))
-        return batches
-
-
 def build_dataloaders(
     cfg: DataConfig,
     *,
@@ -203,8 +163,9 @@ def build_dataloaders(
     micro_batches_per_step: int = 1,
     timeout_s: float = 600.0,
     progress: bool = True,
-) -> tuple[TrainLoader, ValLoader]:
-    """Prepare or reuse the dataset of `cfg`, check it fits the model, and return its two loaders.
+) -> tuple[TrainLoader | StreamingTrainLoader, ValLoader]:
+    """Prepare or reuse the dataset of `cfg` (every source of data.mixture), check it fits the model, and
+    return its two loaders; with data.streaming, the streaming loaders (streaming.py) instead.
 
     Every rank calls this; preparation is shared through the cache (the first rank writes, the others
     wait on its lock), and only rank 0 draws a progress bar. In a multi-process job with
@@ -212,23 +173,33 @@ def build_dataloaders(
     node that take the same batches: same `dp_rank`); waits on another rank give up after `timeout_s`.
     `micro_batches_per_step` (the gradient accumulation) scales data.prefetch, counted in steps.
     """
-    dataset_dir = prepare_dataset(cfg, progress=progress and dp_rank == 0)
-    shards = TokenShards.open(dataset_dir, verify=cfg.verify)
-    tokenizer = shards.tokenizer()
-    if shards.vocab_size > model_vocab_size:
-        raise DataError(
-            f"data: tokenizer of {dataset_dir} has {shards.vocab_size} tokens but "
-            f"model.vocab_size = {model_vocab_size}; set --model.vocab_size={shards.vocab_size} "
-            "(or a larger multiple of 8)"
+    if cfg.streaming:
+        return build_streaming_loaders(
+            cfg,
+            model_vocab_size=model_vocab_size,
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batches_per_step=micro_batches_per_step,
         )
-    split = split_by_documents(shards.doc_ends, cfg.val_fraction)
-    train = PackedSequences(shards, split.train_tokens, cfg.seq_len, "training", split.num_train_documents)
-    val = None
-    if split.num_val_documents:
-        val = PackedSequences(shards, split.val_tokens, cfg.seq_len, "validation", split.num_val_documents)
-    elif cfg.val_fraction > 0:
-        log.warning("data: %s has a single document, so there is no validation split", dataset_dir)
-    sampler = SequenceSampler(train.num_sequences, seed, micro_batch_size, dp_rank, dp_size)
+    sources = data_sources(cfg)
+    dataset_dirs = prepare_sources(cfg, progress=progress and dp_rank == 0)
+    splits = [open_split(cfg, directory, model_vocab_size) for directory in dataset_dirs]
+    check_same_tokenizer(sources, splits)
+    train: PackedSequences | ConcatSequences
+    val: PackedSequences | ScheduledSequences | None
+    sampler: SequenceSampler
+    if len(splits) == 1:
+        train, val = splits[0].train, splits[0].val
+        sampler = SequenceSampler(train.num_sequences, seed, micro_batch_size, dp_rank, dp_size)
+    else:
+        weights = [source.weight for source in sources]
+        train = ConcatSequences([split.train for split in splits])
+        sampler = MixtureSampler(
+            [len(split.train) for split in splits], weights, seed, micro_batch_size, dp_rank, dp_size
+        )
+        val = mixed_validation([split.val for split in splits], weights)
     prefetch_batches = cfg.prefetch * micro_batches_per_step
     stop = threading.Event()  # ends the ring's waits when the prefetch thread is stopped
     ring = None
@@ -246,6 +217,44 @@ def build_dataloaders(
         log.info("data: this rank reads the batches of ranks %s too (shared memory)", list(ring.group.takers))
     elif isinstance(ring, RingReader):
         log.info("data: this rank takes its batches from rank %d (shared memory)", ring.group.reader)
+    loader = TrainLoader(
+        train,
+        sampler,
+        splits[0].tokenizer,
+        prefetch_batches=prefetch_batches,
+        ring=ring,
+        stop=stop,
+        timeout_s=timeout_s if ring is not None else None,
+    )
+    return loader, ValLoader(val, micro_batch_size, splits[0].tokenizer, train.directory)
+
+
+@dataclass
+class Split:
+    """One prepared dataset, opened and split into packed training and validation sequences."""
+
+    shards: TokenShards
+    tokenizer: Tokenizer
+    train: PackedSequences
+    val: PackedSequences | None
+
+
+def open_split(cfg: DataConfig, dataset_dir: Path, model_vocab_size: int) -> Split:
+    """Open (and verify) a prepared dataset, check its tokenizer fits the model, split and pack it."""
+    shards = TokenShards.open(dataset_dir, verify=cfg.verify)
+    if shards.vocab_size > model_vocab_size:
+        raise DataError(
+            f"data: tokenizer of {dataset_dir} has {shards.vocab_size} tokens but "
+            f"model.vocab_size = {model_vocab_size}; set --model.vocab_size={shards.vocab_size} "
+            "(or a larger multiple of 8)"
+        )
+    split = split_by_documents(shards.doc_ends, cfg.val_fraction)
+    train = PackedSequences(shards, split.train_tokens, cfg.seq_len, "training", split.num_train_documents)
+    val = None
+    if split.num_val_documents:
+        val = PackedSequences(shards, split.val_tokens, cfg.seq_len, "validation", split.num_val_documents)
+    elif cfg.val_fraction > 0:
+        log.warning("data: %s has a single document, so there is no validation split", dataset_dir)
     log.info(
         "data: %s: %d training tokens (%d sequences of %d), %d validation tokens",
         dataset_dir,
@@ -254,13 +263,20 @@ def build_dataloaders(
         cfg.seq_len,
         val.num_tokens if val else 0,
     )
-    loader = TrainLoader(
-        train,
-        sampler,
-        tokenizer,
-        prefetch_batches=prefetch_batches,
-        ring=ring,
-        stop=stop,
-        timeout_s=timeout_s if ring is not None else None,
-    )
-    return loader, ValLoader(val, micro_batch_size, tokenizer, dataset_dir)
+    return Split(shards, shards.tokenizer(), train, val)
+
+
+def check_same_tokenizer(sources: list[Source], splits: list[Split]) -> None:
+    """The sources of a mixture must be tokenized alike: same vocabulary, EOS and tokenizer file."""
+
+    def signature(split: Split) -> tuple:
+        spec = split.shards.meta["tokenizer"]
+        return split.shards.vocab_size, split.shards.eos_id, spec.get("sha256")
+
+    for source, split in zip(sources[1:], splits[1:]):
+        if signature(split) != signature(splits[0]):
+            raise DataError(
+                f"data: {source.where} is prepared with another tokenizer ({split.shards.directory}) than "
+                f"{sources[0].text!r} ({splits[0].shards.directory}); the sources of a mixture need one: "
+                "set data.tokenizer to one tokenizer.json for all"
+            )

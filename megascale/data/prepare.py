@@ -11,6 +11,7 @@ per rank on a node) wait for the first instead of repeating its work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import itertools
@@ -34,10 +35,12 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from megascale.config import DataConfig
+from megascale.config import DataConfig, fail
 from megascale.data.corpus import Corpus, open_corpus
+from megascale.data.hf import HFCorpus
 from megascale.data.megatron import MegatronCorpus, megatron_prefix
 from megascale.data.shards import DOCS_DTYPE, FORMAT_NAME, FORMAT_VERSION, META_FILE, shard_names, token_dtype
+from megascale.data.sources import Source, data_sources, text_field
 from megascale.data.tokenizer import (
     ByteTokenizer,
     Tokenizer,
@@ -59,12 +62,44 @@ def prepare_dataset(cfg: DataConfig, out_dir: str | Path | None = None, progress
     """Tokenize cfg.source into shards and return the dataset directory (a cached one if present).
 
     A cfg.source that is already a prepared dataset (has meta.json) is returned unchanged. Otherwise the
-    dataset goes to `out_dir`, or by default to <cache_dir>/datasets/<name>-<tokenizer kind>-<key>.
+    dataset goes to `out_dir`, or by default to <cache_dir>/datasets/<name>-<tokenizer kind>-<key>. With
+    data.mixture every source is prepared into the cache (`prepare_sources`) and the first one's
+    directory is returned.
     """
+    if cfg.mixture.strip():
+        if out_dir is not None:
+            fail(
+                "data.mixture",
+                cfg.mixture,
+                "names several sources and --out takes one; leave --out out (each source goes to the "
+                "cache) or prepare each source with --data.source=SOURCE --out DIR",
+            )
+        return prepare_sources(cfg, progress)[0]
+    return _prepare_source(cfg, Source(cfg.source), out_dir, progress)
+
+
+def prepare_sources(cfg: DataConfig, progress: bool = True) -> list[Path]:
+    """The prepared dataset directory of each source of `cfg` (data.mixture's, or data.source alone)."""
+    sources = data_sources(cfg)
+    if len(sources) > 1 and cfg.tokenizer == "bpe":
+        fail(
+            "data.tokenizer",
+            "bpe",
+            "would train one tokenizer per source, and the sources of data.mixture must share one; "
+            "prepare one source with it, then set data.tokenizer to <its dataset>/tokenizer.json",
+        )
+    return [
+        _prepare_source(dataclasses.replace(cfg, source=source.text, mixture=""), source, None, progress)
+        for source in sources
+    ]
+
+
+def _prepare_source(cfg: DataConfig, source: Source, out_dir: str | Path | None, progress: bool) -> Path:
+    """`prepare_dataset` of cfg.source, which is `source` (named so in messages)."""
     source_dir = Path(cfg.source).expanduser()
     if source_dir.is_dir() and (source_dir / META_FILE).is_file():
         return source_dir
-    corpus = _open_source(cfg)
+    corpus = _open_source(cfg, source, progress)
     tokenizer_id = tokenizer_identity(cfg.tokenizer, cfg.bpe_vocab_size)
     key = dataset_key(corpus.identity, tokenizer_id)
     if out_dir is None:
@@ -221,10 +256,12 @@ def _build(cfg: DataConfig, corpus: Corpus, target: Path, key: str, progress: bo
         raise
 
 
-def _open_source(cfg: DataConfig) -> Corpus:
+def _open_source(cfg: DataConfig, source: Source, progress: bool) -> Corpus:
+    if source.hf_kind is not None:
+        return HFCorpus(source, text_field(cfg), cache_root(cfg) / "hf", progress)
     prefix = megatron_prefix(cfg.source)
     if prefix is None:
-        return open_corpus(cfg.source, cfg.jsonl_field)
+        return open_corpus(cfg.source, text_field(cfg))
     if cfg.tokenizer == "bpe":
         raise DataError(
             f"data.source = {cfg.source!r} is already tokenized, so data.tokenizer = 'bpe' "

@@ -115,6 +115,11 @@ class JsonTokenizer:
         self.eos_token = found[0]
         self.eos_id = vocab[self.eos_token]
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object itself (its vocabulary, decoder and special tokens)."""
+        return self._tokenizer
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

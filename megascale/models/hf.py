@@ -444,12 +444,18 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     return state_dict
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path) -> Path:
-    """Write config.json and model.safetensors to out_dir (created); return out_dir.
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    token_ids: dict[str, int] | None = None,
+) -> Path:
+    """Write config.json and model.safetensors to out_dir (created); return out_dir. `token_ids`: the
+    tokenizer's special token ids (bos_token_id, eos_token_id) for config.json.
 
     The folder loads with `LlamaForCausalLM.from_pretrained(out_dir)`.
     """
-    hf_config = hf_config_of(cfg)
+    hf_config = hf_config_of(cfg) | (token_ids or {})
     tensors = {
         name: tensor.detach().cpu().contiguous() for name, tensor in to_hf_state_dict(state_dict, cfg).items()
     }

@@ -1,8 +1,8 @@
-"""Scalar metrics to metrics.jsonl and TensorBoard event files, one record per logged step.
+"""Scalar metrics to metrics.jsonl, TensorBoard event files and Weights & Biases, one record per logged step.
 
-JSONL is what our own tools (report, tests, the resilience driver) read; TensorBoard is what users already
-watch. Both are appended to, so a resumed run continues the same files; TensorBoard is told the resumed
-step so its curves do not fold back.
+JSONL is what our own tools (report, tests, the resilience driver) read; TensorBoard and W&B are what users
+already watch (W&B optional: wandb_sink.py). The files are appended to, so a resumed run continues them;
+TensorBoard is told the resumed step so its curves do not fold back.
 """
 
 from __future__ import annotations
@@ -11,16 +11,28 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megascale.observe.wandb_sink import WandbSink
 
 
 class MetricsWriter:
     """Appends {"step": ..., "time": ..., **scalars} records; closes its files on `close()`."""
 
-    def __init__(self, run_dir: Path, *, jsonl: bool, tensorboard: bool, purge_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        jsonl: bool,
+        tensorboard: bool,
+        purge_step: int | None = None,
+        wandb: WandbSink | None = None,
+    ):
         """`purge_step`: the first step this run will write; records from it on that an earlier run left
         (it went past its last checkpoint, or the directory was run afresh) are dropped first, so each
         step appears once in the files."""
+        self._wandb = wandb
         path = run_dir / "metrics.jsonl"
         if jsonl and purge_step is not None:
             _drop_records_from(path, purge_step)
@@ -41,12 +53,16 @@ class MetricsWriter:
             for key, value in scalars.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.write(step, scalars)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def _drop_records_from(path: Path, step: int) -> None:

@@ -27,3 +27,18 @@ def write_text_dir(directory: Path, documents: list[str]) -> Path:
 def write_jsonl(path: Path, documents: list[str], field: str = "text") -> Path:
     path.write_text("".join(json.dumps({field: text, "id": i}) + "\n" for i, text in enumerate(documents)))
     return path
+
+
+def write_parquet_parts(directory: Path, documents: list[str], parts: int, field: str = "text") -> list[Path]:
+    """The documents split over `parts` Parquet files part-0.parquet, ... in order (needs `datasets`)."""
+    from datasets import Dataset
+
+    directory.mkdir(parents=True, exist_ok=True)
+    size = -(-len(documents) // parts)
+    paths = []
+    for part in range(parts):
+        chunk = documents[part * size : (part + 1) * size]
+        path = directory / f"part-{part}.parquet"
+        Dataset.from_dict({field: chunk, "id": list(range(len(chunk)))}).to_parquet(str(path))
+        paths.append(path)
+    return paths

@@ -78,7 +78,7 @@ def test_jsonl_bad_line_names_the_line(tmp_path, cfg_for):
     with pytest.raises(DataError, match=r"docs\.jsonl line 3 is not valid JSON.*fix or delete that line"):
         prepare_dataset(cfg_for(path), progress=False)
     path.write_text('{"text": "fine"}\n{"body": "x"}\n')
-    with pytest.raises(DataError, match=r"line 2 has no string field 'text' \(found: 'body'\).*jsonl_field"):
+    with pytest.raises(DataError, match=r"line 2 has no string field 'text' \(found: 'body'\).*text_field"):
         prepare_dataset(cfg_for(path), progress=False)
     assert not (tmp_path / "cache" / "datasets").exists() or not any(
         p for p in (tmp_path / "cache" / "datasets").iterdir() if not p.name.endswith(".lock")
