@@ -12,6 +12,12 @@ Three kinds of work, each timed by what limits it:
   and the matmuls that read them (`MATERIALIZED_BYTES_*`); selective recomputation redoes all of it.
 - Element-wise work (norms, activations, dropout, residual adds): bytes through HBM; fusing LayerNorm and
   GeLU (paper §3.3) halves the number of passes.
+- Recomputation: full recomputation redoes a block's forward; selective (Korthikanti et al. 2022) the
+  attention core, which costs nothing more in a FlashAttention kernel; torchtitan's selective op
+  checkpointing ("op") keeps the outputs of the attention kernel and of every other matmul of a block,
+  counted in forward order from the first, and recomputes the rest: the forward of the second, fourth, ...
+  matmul (a Llama's key, attention-output and up projections) and of every element-wise operator (a third
+  of the element-wise passes).
 Under context parallelism (cp ranks) a rank computes every token-wise operator on its 1/cp of each
 sequence, and its queries' attention against the whole sequence's keys: 1/cp of the causal work.
 On a CPU the host dispatches every operator and waits for it, so a measured per-block host time is added;
@@ -144,6 +150,10 @@ def block_time(
     recompute_s = (gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s if full else 0.0
     if layout.recompute == "selective" and kernel == "materialized":
         recompute_s = attention_fwd_s
+    if layout.recompute == "op":  # every second linear layer's forward, and the element-wise forward
+        shapes = linear_shapes(model, layout.tp)[1::2]
+        recompute_s = sum(gemm_seconds(2 * tokens * n_in * n_out, profile, dtype) for n_in, n_out in shapes)
+        recompute_s += elementwise_s / 3
     return BlockTime(gemm_s, attention_fwd_s + attention_bwd_s, elementwise_s, host_s, recompute_s)
 
 

@@ -11,7 +11,9 @@ Per block and micro-batch that is cp - 1 messages forward (again under full reco
 (cp - 1) + cp backward, each over the link between neighbours: the cp ranks are adjacent data-parallel
 ranks, tp apart (`megascale.plan.placement`), so a ring leaves the node once tp x cp exceeds it. With the
 overlap (`Features.cp_overlap`) a step's transfers run beside its blocks and only what outlasts them is
-exposed, plus the gradients' last hop home; without it every transfer is waited for.
+exposed, plus the gradients' last hop home; without it every transfer is waited for. An MoE layer routes
+each rank's own positions (`megascale.plan.experts`): its work and all-to-all bytes divide by cp as the
+tokens do, and its experts may be split over the dp x cp ranks (megascale's dp_shard).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def context_problem(job: Job, layout: Layout) -> str | None:
         return None
     if job.seq_len % (2 * layout.cp):
         return f"sequence {job.seq_len} does not split into 2 x cp = {2 * layout.cp} equal chunks"
-    if is_moe(job.model):
-        return "context parallelism beside MoE layers is not modelled"
+    if is_moe(job.model) and layout.experts_over_tp:
+        return (
+            "moe_tp 'ep' beside context parallelism: the tp ranks would route parts of each cp rank's chunks "
+            "(megascale's trainer refuses it; use moe_tp 'whole')"
+        )
     if layout.attention == "sp":
         return "context parallelism beside sequence-parallel attention is not modelled"
     return None

@@ -8,12 +8,20 @@ Where an MoE layer's work lands depends on how the layout spreads it (`Layout.mo
 - "ep" (MegaScale-MoE; megascale's trainer with parallel.moe_tp = "ep"): the tp ranks are expert-parallel
   ranks; each holds experts/ep whole experts and sends the token slots of its share of the sequence to
   their experts' ranks by all-to-all. The group is the tp ranks (ep = tp), or ep / tp adjacent tp groups.
-With `ep > 1` outside "ep" the experts are split over ep data-parallel ranks, which exchange their own
-micro-batches' slots the same way. Experts are taken as evenly loaded (the balancing the router is trained
-for), so every device computes its share of the slots: tokens x top_k x (its experts / all experts). The
-experts run as grouped GEMMs at the profile's fraction of the rate of one expert's GEMM, and the layer's
-other operators (router, sort, gather, scatter) cost the profile's share of their time: both measured on
-an H100 (bench/kernel_efficiency.py, docs/gpu.md).
+With `ep > 1` outside "ep" the experts are split over ep data-parallel ranks (the dp x cp ranks that hold
+the same weights, as megascale's dp_shard holds the cp ranks), which exchange their own tokens' slots the
+same way. Under context parallelism a rank routes its own positions of each sequence: its tokens, slots
+and all-to-all bytes are 1/cp of the sequence's.
+
+Load: the router is trained for an even load, so every device computes its share of the slots, tokens x
+top_k x (its experts / all experts). Where the experts are split over ranks, the ranks meet at every
+all-to-all and the layer runs at the pace of the rank whose experts drew the most slots
+(`busiest_rank_load`): the expected busiest of the group's ranks when each token picks its top_k experts
+independently, the least unevenness a router trained for balance leaves (a capacity caps it). Where
+every rank computes a share of every slot ("split", or ep = 1) no rank is busier than another.
+The experts run as grouped GEMMs at the profile's fraction of the rate of one expert's GEMM, and the
+layer's other operators (router, sort, gather, scatter) cost the profile's share of their time: both
+measured on an H100 (bench/kernel_efficiency.py, docs/gpu.md).
 
 The all-to-all is timed per device (`plan/comm.py`) from the bytes it sends to the other ranks of its
 group, those on its node over the intra-node link and the rest over its NIC at the same time; a chunked
@@ -23,6 +31,8 @@ the first chunk excepted, as the TP overlap does (`megascale.plan.step`).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 from megascale.config import ModelConfig
@@ -30,7 +40,7 @@ from megascale.models.flops import expert_params
 from megascale.models.moe import expert_dim_of
 from megascale.plan.comm import all_to_all_seconds
 from megascale.plan.hardware import HardwareProfile
-from megascale.plan.job import Job, Layout
+from megascale.plan.job import RECOMPUTES, Job, Layout
 
 # Chunks an overlapped all-to-all is cut into; the first one's transfer is always exposed.
 EP_OVERLAP_CHUNKS = 4
@@ -62,8 +72,8 @@ def expert_group(layout: Layout) -> int:
 
 def tokens_in(job: Job, layout: Layout) -> float:
     """Tokens entering the layer's router on one device: its share of the sequence under "ep", the
-    whole micro-batch otherwise (all-gathered under "split")."""
-    tokens = layout.micro_batch * job.seq_len
+    whole micro-batch otherwise (all-gathered under "split"); its own positions under context parallelism."""
+    tokens = layout.micro_batch * layout.local_seq_len(job)
     return tokens / layout.tp if layout.experts_over_tp else tokens
 
 
@@ -78,9 +88,44 @@ def expert_width(job: Job, layout: Layout) -> int:
     return width // layout.tp if layout.moe_tp == "split" else width
 
 
+@functools.cache
+def expected_max_of_normals(count: int) -> float:
+    """E[max of `count` independent standard normals] (1.42 for 8), by integrating 1 - F^n above zero
+    less F^n below it."""
+    step = 1e-3
+
+    def cdf(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    points = [(i + 0.5) * step for i in range(int(10 / step))]
+    return sum((1 - cdf(x) ** count) - cdf(-x) ** count for x in points) * step
+
+
+def busiest_rank_load(job: Job, layout: Layout) -> float:
+    """Slots the busiest rank of the expert group computes in one layer and micro-batch, over the mean:
+    1 where every rank computes a share of every slot. Each of the group's tokens picks top_k of the E
+    experts; how many land on one rank's E/ep is hypergeometric (variance k p (1 - p) (E - k)/(E - 1) per
+    token, p = 1/ep), and the ranks' counts add up to the group's slots, so the busiest exceeds the mean
+    by E[max of ep normals] x sd / sqrt(1 - 1/ep). Tokens routed alike (a document's) make it worse; a
+    capacity (`model.moe.capacity_factor`) caps it: no expert takes more than the factor times its mean."""
+    ranks = expert_group(layout)
+    if ranks == 1:
+        return 1.0
+    moe, share = job.model.moe, 1 / ranks
+    without_replacement = (moe.experts - moe.top_k) / max(1, moe.experts - 1)
+    per_token_variance = moe.top_k * share * (1 - share) * without_replacement
+    spread = math.sqrt(ranks * tokens_in(job, layout) * per_token_variance / (1 - share))
+    load = 1 + expected_max_of_normals(ranks) * spread / slots_computed(job, layout)
+    return min(load, moe.capacity_factor) if moe.capacity_factor else load
+
+
 def layout_problem(job: Job, layout: Layout) -> str | None:
-    """Why this MoE layout cannot run, or None."""
+    """Why this MoE layout (or its recomputation) cannot run or is not modelled, or None."""
     model = job.model
+    if layout.recompute not in RECOMPUTES:
+        return f"recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTES)}"
+    if layout.recompute == "op" and (is_moe(model) or layout.attention == "sp"):
+        return "recompute 'op' (torchtitan's selective op checkpointing) is modelled for dense blocks only"
     if layout.moe_tp not in ("split", "whole", "ep"):
         return f"moe_tp {layout.moe_tp!r} is not one of split, whole, ep"
     if layout.attention not in ("tp", "sp"):
@@ -96,8 +141,9 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
         return f"moe_tp 'ep': ep {layout.ep} / tp {layout.tp} must divide dp {layout.dp}"
     if layout.experts_over_tp and layout.tp > 1 and layout.attention == "tp" and not layout.sequence_parallel:
         return "moe_tp 'ep' needs the sequence split over the tp ranks (sequence parallelism)"
-    if not layout.experts_over_tp and layout.dp % layout.ep:
-        return f"ep {layout.ep} must divide dp {layout.dp}"
+    if not layout.experts_over_tp and layout.fsdp_ranks % layout.ep:
+        context = f" x cp {layout.cp}" if layout.cp > 1 else ""
+        return f"ep {layout.ep} must divide dp {layout.dp}{context}"
     if model.moe.experts % expert_group(layout):
         return f"{model.moe.experts} experts do not split over {expert_group(layout)} ranks"
     if layout.moe_tp == "split" and expert_dim_of(model) % layout.tp:
@@ -108,12 +154,14 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
 def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -> MoEWork:
     """The MoE layer of one block; `gemm_seconds(flops)` times one GEMM at the efficiency its size earns.
     The routed experts run as grouped GEMMs, at the profile's fraction of the rate of one expert's GEMM,
-    and the layer's other operators add the profile's share of their time (both measured on an H100)."""
+    and the layer's other operators add the profile's share of their time (both measured on an H100);
+    both, and the all-to-all, at the pace of the busiest rank's slots (`busiest_rank_load`)."""
     model, moe = job.model, job.model.moe
     projections = 3 if model.mlp == "swiglu" else 2
     width = expert_width(job, layout)
     local_experts = moe.experts // expert_group(layout)
-    slots = slots_computed(job, layout)
+    load = busiest_rank_load(job, layout)
+    slots = slots_computed(job, layout) * load
     per_expert = slots / local_experts
     # Forward GEMM, then backward's two of the same size, for each projection of each local expert.
     expert_gemm_s = local_experts * projections * 3 * gemm_seconds(2 * per_expert * model.dim * width)
@@ -166,7 +214,7 @@ def expert_data_parallel(layout: Layout) -> tuple[int, int]:
     """(ranks holding the same experts, their stride): the routed experts' data-parallel group."""
     if layout.experts_over_tp:  # ep / tp data-parallel ranks' tp groups hold different experts
         return layout.dp // (layout.ep // layout.tp), layout.ep
-    return layout.dp // layout.ep, layout.tp * layout.ep
+    return layout.fsdp_ranks // layout.ep, layout.tp * layout.ep
 
 
 def moe_activation_bytes(job: Job, layout: Layout) -> float:

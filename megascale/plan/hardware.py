@@ -43,9 +43,9 @@ class HardwareProfile:
     gemm_half_flops: float  # GEMM size (FLOPs) at which it reaches half of gemm_efficiency
     attention_efficiency: float  # fraction of peak of a fused (FlashAttention-2) attention kernel
     attention_half_flops: float  # its work (FLOPs, forward + backward) at half that fraction; 0: any size
-    # An MoE layer's experts as one grouped GEMM per projection: the fraction of the rate of a GEMM of one
-    # expert's shape that it reaches, and what the layer's other operators (router, sort, gather, scatter)
-    # add to its time, as a fraction of the grouped GEMMs' (megascale/plan/experts.py).
+    # An MoE layer's experts as one grouped GEMM per projection: the fraction it reaches of the rate the
+    # GEMM curve above gives a GEMM of one expert's shape, and what the layer's other operators (router,
+    # sort, gather, scatter) add to its time, as a fraction of the grouped GEMMs' (plan/experts.py).
     grouped_gemm_efficiency: float
     moe_operator_overhead: float
     network_efficiency: float  # fraction of the link bandwidth a collective achieves (bus bandwidth)
@@ -94,16 +94,20 @@ def _peaks(device: str) -> dict[str, float]:
 # - Causal attention (torch's SDPA, FlashAttention-2) forward + backward at sequence 8192, head size 128 on
 #   one H100 in bf16: 0.24 of peak with 4 heads (one of 8 ranks' share of 32) and 0.40 with 32, which the
 #   attention curve e(f) = 0.45 f / (f + 1.7e11) passes through (Hopper profiles; bench/kernel_efficiency.py).
-# - An MoE layer's grouped GEMMs ran at 0.74-0.76 of the rate of a GEMM of one expert's shape, and its other
-#   operators added 0.22-0.29 of the grouped GEMMs' time, at the two shapes of plan/paper_moe.py on one
-#   H100 in bf16 (bench/kernel_efficiency.py, bench/results/h100/kernel_efficiency.json; docs/gpu.md).
+# - An MoE layer's grouped GEMMs, at the two shapes of plan/paper_moe.py on one H100 in bf16 (768 slots per
+#   expert; bench/kernel_efficiency.py, bench/results/h100/kernel_efficiency.json; docs/gpu.md), ran at
+#   0.48 and 0.41 of peak: 0.63 and 0.54 of the 0.76 the largest GEMM measured reached, which is what
+#   gemm_efficiency stands for. The curve gives a GEMM of one expert's shape 0.98 and 0.85 of that rate
+#   (these thin GEMMs measured 0.85 and 0.71 of it), so the grouped GEMMs reached 0.64 and 0.63 of the
+#   curve's rate: grouped_gemm_efficiency 0.64 (0.74-0.76 of a measured same-shape GEMM's). The layer's
+#   other operators added 0.22-0.29 of the grouped GEMMs' time.
 # - NCCL small-message latency: a few microseconds over NVLink, about 10 us across RDMA.
 _GPU_CONSTANTS: dict[str, Any] = dict(
     gemm_efficiency=0.68,
     gemm_half_flops=2e9,
     attention_efficiency=0.55,
     attention_half_flops=0.0,
-    grouped_gemm_efficiency=0.75,
+    grouped_gemm_efficiency=0.64,
     moe_operator_overhead=0.25,
     network_efficiency=0.80,
     layer_overhead_s=0.0,

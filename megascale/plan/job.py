@@ -43,6 +43,10 @@ class Job:
         return self.global_batch * self.seq_len
 
 
+# Activation recomputation a layout may use (`Layout.recompute`).
+RECOMPUTES = ("none", "selective", "op", "full")
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the job is spread over devices; tp x pp x dp x cp = devices.
@@ -58,10 +62,13 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     micro_batch: int = 1
     zero_stage: int = 1  # 1: optimizer state sharded over dp; 2: + gradients; 3: + weights
-    recompute: str = "selective"  # "none", "selective" (attention core) or "full" (whole blocks)
+    # "none", "selective" (the attention core: Korthikanti et al. 2022), "op" (torchtitan's selective op
+    # checkpointing: every second matmul of a block and its element-wise operators) or "full" (whole blocks)
+    recompute: str = "selective"
     sequence_parallel: bool = True
     # Mixture of experts (docs/planning.md, "Mixture of experts"): the routed experts are split over ep
-    # ranks, which are data-parallel ranks unless moe_tp is "ep" (then tp ranks: ep/tp tp groups).
+    # ranks, which are data-parallel ranks (of the dp x cp that hold the same weights) unless moe_tp is
+    # "ep" (then tp ranks: ep/tp tp groups).
     ep: int = 1
     # How an MoE layer uses the tp ranks: "split" (each expert's hidden size split, tokens all-gathered
     # and reduce-scattered as for a dense MLP: Megatron-LM), "whole" (computed whole on every tp rank
@@ -142,6 +149,10 @@ class Features:
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
     zero_stages: tuple[int, ...] = (2, 3)  # what the system's data parallelism can shard (searched)
     model_parallel: bool = True  # whether the system splits the model (TP, PP); FSDP-only ones do not
+    # Whether the system splits the sequence over the tp ranks outside the tensor-parallel layers
+    # (Megatron-LM from 2022, Korthikanti et al.), and the activation recomputation it offers (searched).
+    sequence_parallel: bool = True
+    recomputes: tuple[str, ...] = ("none", "selective", "full")
     # Without sequence parallelism each tp rank sends only its slice of a pipeline transfer (Megatron-LM's
     # scatter/gather); megascale's trainer sends the whole tensor from each.
     pp_scatter_gather: bool = True

@@ -7,7 +7,8 @@ Transformer Models", Eqs. 1-3): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations
 dividing everything by t. The attention-score term 5*a*s/h counts only where the scores are materialised
 (no FlashAttention kernel, `megascale.plan.compute`) and not recomputed: a FlashAttention kernel keeps no
 scores, and selective recomputation (Korthikanti et al.'s) drops exactly them. Full recomputation keeps
-only each block's input. The pipeline's first stage
+only each block's input; torchtitan's selective op checkpointing ("op") the block's input, the attention
+kernel's output and the outputs of every other matmul (`megascale.plan.compute`). The pipeline's first stage
 holds the most micro-batches in flight: pp of them under 1F1B, pp * (1 + (pp - 1)/(pp * v)) interleaved.
 Context parallelism divides s by cp (each rank keeps its own positions' activations) and adds the ring's
 messages in flight (`megascale.plan.context`); the weights' data-parallel group is dp x cp ranks.
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megascale.config import head_dim_of
 from megascale.models.flops import attention_params, matmul_params_per_layer
+from megascale.plan.compute import linear_shapes
 from megascale.plan.context import ring_buffer_bytes
 from megascale.plan.experts import (
     expert_data_parallel,
@@ -88,6 +91,11 @@ def activation_bytes_per_block(
     sharded = layout.sequence_parallel or layout.attention == "sp"
     if layout.recompute == "full":
         return s * b * h * 2 * scale / (t if sharded else 1)
+    if layout.recompute == "op":
+        model = job.model
+        kept = h / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
+        kept += sum(n_out for _, n_out in linear_shapes(model, t)[0::2])  # as each rank computes them
+        return s * b * kept * job.precision.activation_bytes
     dense = s * b * h * (34 / t if sharded else 10 + 24 / t) * scale
     if materialized_scores and layout.recompute == "none":
         dense += 5 * job.model.attention.n_heads * s * job.seq_len * b / t * scale

@@ -13,9 +13,12 @@ parameters need one more expert-sized MLP per layer than the 32 routed ones; wit
 this model with causal attention counted at half); micro-batch 1; ZeRO-1 (Megatron-LM's distributed
 optimizer) on both; plain 1F1B; Megatron-LM recomputing the least that fits in memory (selective does not
 fit at micro-batch 1, so full), MegaScale-MoE selective (its selective rematerialisation); FlashAttention and
-fused kernels on both; 400 Gb/s of NIC per GPU; the MegaScale paper's straggler allowance. Megatron-LM's
-MoE splits every expert over the tensor-parallel ranks (its all-gather token dispatcher); MegaScale-MoE
-overlaps its all-to-alls with the GEMMs, forward and backward (§4).
+fused kernels on both; 400 Gb/s of NIC per GPU; the MegaScale paper's straggler allowance; no capacity
+(the paper's capacity factor is not given): MegaScale-MoE's experts at the pace of the busiest of its 8
+expert-parallel ranks under independent routing (`megascale.plan.experts.busiest_rank_load`, 2.5% above
+the mean). Megatron-LM's MoE splits every expert over the tensor-parallel ranks (its all-gather token
+dispatcher), so each rank computes a share of every slot; MegaScale-MoE overlaps its all-to-alls with the
+GEMMs, forward and backward (§4).
 
 `python -m megascale.plan.paper_moe` prints the tables of docs/planning.md (a test checks they agree).
 """

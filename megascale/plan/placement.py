@@ -76,12 +76,12 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
 def _group_key(where: dict[str, int], kind: str, layout: Layout) -> tuple[int, ...]:
     """What the ranks of one group of `kind` share: their other coordinates. A DP group holds the same
     weights: its dp x cp ranks share the stage and tp rank. An expert-parallel group is ep consecutive
-    data-parallel indices (ep innermost within dp, as ParallelDims splits them), or with the experts over
-    the tp ranks ep / tp consecutive data-parallel indices' tp groups."""
+    dp_shard indices (the dp x cp ranks, cp innermost; ep innermost within them, as ParallelDims splits
+    them), or with the experts over the tp ranks ep / tp consecutive data-parallel indices' tp groups."""
     if kind == "ep" and layout.experts_over_tp:
         return where["pp"], where["dp"] // (layout.ep // layout.tp)
     if kind == "ep":
-        return where["pp"], where["tp"], where["dp"] // layout.ep
+        return where["pp"], where["tp"], (where["dp"] * layout.cp + where["cp"]) // layout.ep
     if kind == "dp":
         return where["pp"], where["tp"]
     return tuple(where[name] for name in ("pp", "dp", "cp", "tp") if name != kind)

@@ -45,7 +45,7 @@ EXPLAIN = {
     "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
     "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs",
     "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
-    "recompute": "the forward again under full activation checkpointing",
+    "recompute": "the forward again: all of it under full activation checkpointing, part under selective",
     "output_layer": "vocabulary projection on the last stage (and host time outside the blocks)",
     "tp_exposed": "TP/SP all-gathers and reduce-scatters (or sequence-parallel attention's all-to-alls) "
     "not hidden behind GEMMs",

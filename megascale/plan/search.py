@@ -2,7 +2,8 @@
 
 The automatic strategy veGiantModel offered (DESIGN.md, plan/), over the same choices megascale's config
 exposes: TP within a node, pipeline stages and interleaved chunks, context parallelism for long sequences,
-micro-batch size, ZeRO stage and recomputation. A layout is legal under the rules
+micro-batch size, ZeRO stage and recomputation, each as far as the system being planned has it (its
+ZeRO stages, recomputation and sequence parallelism: `Features`). A layout is legal under the rules
 `megascale.parallel.dims.ParallelDims` enforces (degrees dividing heads and the vocabulary, the batch
 dividing evenly, at least pp micro-batches, interleaving needing a multiple of pp, the sequence splitting
 into 2 x cp chunks); it is kept if its peak memory fits the device with MEMORY_HEADROOM to spare.
@@ -14,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megascale.errors import ConfigError
+from megascale.plan.context import context_problem
 from megascale.plan.experts import is_moe, layout_problem
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
@@ -49,6 +51,7 @@ def candidate_layouts(
     """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8}). An MoE model's layers go over the
     tp ranks in each of the system's ways (`features.moe_tp`), its experts over any ep that fits."""
     features = features or Features()
+    sp = features.sequence_parallel
     layouts = []
     for tp, pp, cp, dp in _degrees(job, devices, profile, features):
         for micro_batch in MICRO_BATCHES:
@@ -60,7 +63,9 @@ def candidate_layouts(
             for virtual_stages in _virtual_stage_choices(job.model.n_layers, pp, micro_batches):
                 for zero_stage in features.zero_stages if dp * cp > 1 else (1,):
                     for recompute in recomputes:
-                        base = Layout(tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute, cp=cp)
+                        base = Layout(
+                            tp, pp, dp, virtual_stages, micro_batch, zero_stage, recompute, sp, cp=cp
+                        )
                         for layout in _expert_layouts(job, base, features):
                             if all(getattr(layout, key) == value for key, value in fixed.items()):
                                 layouts.append(layout)
@@ -88,9 +93,9 @@ def _degrees(
 
 def _context_choices(job: Job, ranks: int, features: Features) -> list[int]:
     """Context-parallel degrees for `ranks` data-parallel ranks: powers of two dividing them whose 2 x cp
-    chunks split the sequence evenly, leaving each rank MIN_CONTEXT_POSITIONS at least; 1 alone for an
-    MoE model or a system without model parallelism."""
-    if not features.model_parallel or is_moe(job.model):
+    chunks split the sequence evenly, leaving each rank MIN_CONTEXT_POSITIONS at least; 1 alone for a
+    system without model parallelism."""
+    if not features.model_parallel:
         return [1]
     choices, cp = [1], 2
     while ranks % cp == 0 and job.seq_len % (2 * cp) == 0 and job.seq_len // cp >= MIN_CONTEXT_POSITIONS:
@@ -101,7 +106,8 @@ def _context_choices(job: Job, ranks: int, features: Features) -> list[int]:
 
 def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout]:
     """`layout` with each legal way of spreading the model's experts (itself for a dense model): each of
-    the system's ways over the tp ranks, the experts over ep data-parallel ranks (or their tp groups)."""
+    the system's ways over the tp ranks, the experts over ep data-parallel ranks (the dp x cp ranks that
+    hold the same weights) or over the tp groups of ep / tp data-parallel ranks."""
     if not is_moe(job.model):
         return [layout]
     chosen = []
@@ -113,8 +119,8 @@ def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout
             ]
         elif moe_tp != "ep" or "whole" not in features.moe_tp:  # without tp, "ep" is "whole"
             base = "whole" if moe_tp == "ep" else moe_tp
-            chosen += [dataclasses.replace(layout, moe_tp=base, ep=ep) for ep in divisors(layout.dp)]
-    return [choice for choice in chosen if layout_problem(job, choice) is None]
+            chosen += [dataclasses.replace(layout, moe_tp=base, ep=ep) for ep in divisors(layout.fsdp_ranks)]
+    return [choice for choice in chosen if not (layout_problem(job, choice) or context_problem(job, choice))]
 
 
 def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int) -> list[int]:
@@ -141,8 +147,9 @@ def search(
     skip_selective: bool = False,
 ) -> list[Plan]:
     """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal or none fits.
-    `skip_selective` leaves out selective recomputation, which is the same as none with fused attention."""
-    recomputes = ("none", "full") if skip_selective else ("none", "selective", "full")
+    The recomputation searched is the system's (`features.recomputes`); `skip_selective` leaves out
+    selective recomputation, which is the same as none with fused attention."""
+    recomputes = tuple(r for r in features.recomputes if not (skip_selective and r == "selective"))
     layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes, features)
     if not layouts:
         pinned = "".join(f" --{key} {value}" for key, value in (fixed or {}).items())

@@ -106,7 +106,7 @@ def estimate_step(
     ep_exposed_s = per_micro_batch(
         lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap) if moe else 0.0
     )
-    cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # no MoE beside cp
+    cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # every block's attention
     output_s = output_layer_seconds(job, layout, profile)
     pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile, features)
     compute_s = per_micro_batch(lambda block, moe: block.total_s)
@@ -175,13 +175,13 @@ def _tp_exposed_seconds(
         if features.tp_overlap:  # the exchanges fused into the projections' GEMMs (MegaScale-MoE §4)
             linear_s = attention_linear_seconds(job, layout, profile)
             attention_s = attention_s / TP_OVERLAP_CHUNKS + max(0.0, attention_s - linear_s)
-    else:  # Megatron's all-gather and reduce-scatter pair, not fused in a serial block
-        attention_s = (5 + (2 if full else 0)) * gather_s
+    else:  # Megatron's collectives around a column/row-parallel pair, not fused in a serial block
+        attention_s = pair_collectives(layout) * gather_s
     if moe is None or layout.moe_tp == "ep":
         return attention_s  # the MLP runs on the rank's share of the sequence, or its experts' slots
     if layout.moe_tp == "whole":  # the whole sequence gathered forward, its gradient scattered backward
         return attention_s + (2 + (1 if full else 0)) * gather_s
-    mlp_s = (5 + (2 if full else 0)) * gather_s  # "split": the dense MLP's pair around the experts
+    mlp_s = pair_collectives(layout) * gather_s  # "split": the dense MLP's pair around the experts
     if features.tp_overlap:
         mlp_s = mlp_s / TP_OVERLAP_CHUNKS + max(0.0, mlp_s - moe.gemm_s)
     return attention_s + mlp_s
@@ -191,11 +191,9 @@ def _megatron_tp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, gemm_s: float
 ) -> float:
     """A dense block under Megatron's tensor and sequence parallelism."""
-    # Megatron's sequence parallelism: a column-parallel group all-gathers its input forward, and all-gathers
-    # it again and reduce-scatters its input gradient backward; a row-parallel one reduce-scatters forward
-    # and all-gathers backward. A serial block has two of each, a parallel block (PTB) one.
+    # A serial block has two column/row-parallel pairs, a parallel block (PTB) one.
     groups = 1 if job.model.block == "parallel" else 2
-    collectives = groups * (5 + (2 if layout.recompute == "full" else 0))
+    collectives = groups * pair_collectives(layout)
     payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     cross = group_spans_nodes(1, layout.tp, profile.devices_per_node)
     comm_s = collectives * gather_or_scatter_seconds(payload, layout.tp, profile, cross)
@@ -208,6 +206,19 @@ def _megatron_tp_exposed_seconds(
     fused_s = fused_share * comm_s
     exposed_fused_s = fused_s / TP_OVERLAP_CHUNKS + max(0.0, fused_s - fused_share * gemm_s)
     return comm_s - fused_s + exposed_fused_s
+
+
+def pair_collectives(layout: Layout) -> int:
+    """All-gathers and reduce-scatters (an all-reduce counts as one of each) around one column-parallel/
+    row-parallel pair per micro-batch, forward + backward. With sequence parallelism the column-parallel
+    layer all-gathers its input forward, all-gathers it again and reduce-scatters its input gradient
+    backward (the gathered input is not kept), and the row-parallel one reduce-scatters forward and
+    all-gathers backward: 5. Without it (Megatron-LM before 2022) the input is kept whole: one all-reduce
+    forward after the row-parallel layer and one backward before the column-parallel one: 4. Full
+    recomputation runs the forward's collectives again."""
+    forward = 2
+    backward = 3 if layout.sequence_parallel else 2
+    return forward * (2 if layout.recompute == "full" else 1) + backward
 
 
 def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:

@@ -170,6 +170,9 @@ def published(
 # over materialised scores, data parallelism without a distributed optimizer, a host stall per step (the
 # MegaScale paper's baseline, before FlashAttention).
 MEGATRON_2021 = dataclasses.replace(MEGATRON, attention_kernel="materialized", zero_stages=(0,))
+# ... as SC'21 ran it: before sequence parallelism and selective recomputation (Korthikanti et al. 2022),
+# and every run recomputing whole blocks, as its hardware FLOPs (Eq. 3) count the recomputed forward.
+MEGATRON_2021_SC21 = dataclasses.replace(MEGATRON_2021, sequence_parallel=False, recomputes=("full",))
 # Megatron-Core in 2024: data-, tensor- and pipeline-parallel communication overlapped, fused kernels
 # (Transformer Engine's fused attention, and its ring attention's transfers behind the blocks).
 MEGATRON_CORE = Features(
@@ -185,6 +188,9 @@ MEGATRON_CORE = Features(
 # FSDP (PyTorch's, in torchtitan and Composer, uncompiled): per-block all-gathers prefetched, reduce-
 # scatters behind the backward, FlashAttention-2 (SDPA), element-wise operators one kernel each.
 FSDP = Features(dp_overlap=True, attention_kernel="flash2", dp_sync_per_micro_batch=True, host_overhead_s=0.2)
+# torchtitan's FSDP2, whose selective recomputation is per operator ("op": every second matmul of a block
+# and its element-wise operators recomputed, `megascale.plan.compute`).
+TORCHTITAN = dataclasses.replace(FSDP, recomputes=("none", "op", "full"))
 
 
 SC21 = Source(
@@ -192,7 +198,7 @@ SC21 = Source(
     where="Narayanan et al. 2021 (arXiv 2104.04473) Table 1; per-row micro-batch and virtual stages from "
     "NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21/run_table_1.sh",
     convention="hardware FLOPs (Eq. 3: full recomputation counted), % of 312 TFLOP/s",
-    features=MEGATRON_2021,
+    features=MEGATRON_2021_SC21,
     profile=A100,
     assumed="no sequence parallelism (it did not exist); data parallelism without ZeRO (zero_stage 0)",
 )
@@ -299,25 +305,27 @@ TORCHTITAN_A100 = Source(
     name="torchtitan, FSDP2 on 64 A100s",
     where="pytorch/torchtitan docs/performance.md (2024; Llama 3 rows added April 2024)",
     convention="6N + 12 L h s (N with the embeddings), % of 312 TFLOP/s",
-    features=FSDP,
+    features=dataclasses.replace(TORCHTITAN, model_parallel=False),  # its table benchmarks FSDP2 alone (1D)
     profile=A100,
     assumed="the network of our A100 profile (200 Gb/s per GPU; the source does not say); 'selective op' "
-    "recomputation as our 'selective'",
+    "recomputation as torchtitan's policy of April 2024 (every second matmul and the element-wise "
+    "operators recomputed)",
 )
 TORCHTITAN_ROWS = [
-    # (name, model, seq_len, local batch, recompute, tokens/s per GPU, parameters as counted)
-    ("Llama 3 8B", llama(4096, 32, 32, 8, 14336, 128256, 8192), 8192, 1, "selective", 2973, 8.03e9),
+    # (name, model, seq_len, local batch, activation checkpointing, tokens/s per GPU, parameters as counted)
+    ("Llama 3 8B", llama(4096, 32, 32, 8, 14336, 128256, 8192), 8192, 1, "selective op", 2973, 8.03e9),
     ("Llama 3 70B", llama(8192, 80, 64, 8, 28672, 128256, 8192), 8192, 1, "full", 331, 70.6e9),
     ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 4096, 2, "none", 2162, 13.0e9),
     ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 4096, 2, "full", 353, 69.0e9),
 ]
+TORCHTITAN_RECOMPUTE = {"selective op": "op", "full": "full", "none": "none"}
 
 
 def torchtitan() -> list[Published]:
     rows = []
-    for name, model, seq_len, local, recompute, tokens_per_s, params in TORCHTITAN_ROWS:
-        layout = Layout(1, 1, 64, 1, local, 3, recompute, False)
-        label, job = f"{name}, recompute {recompute}", (model, seq_len, 64 * local)
+    for name, model, seq_len, local, checkpointing, tokens_per_s, params in TORCHTITAN_ROWS:
+        layout = Layout(1, 1, 64, 1, local, 3, TORCHTITAN_RECOMPUTE[checkpointing], False)
+        label, job = f"{name}, recompute {checkpointing}", (model, seq_len, 64 * local)
         flops = palm_flops(params)
         rows.append(published(TORCHTITAN_A100, label, job, layout, flops, tokens_per_s_per_gpu=tokens_per_s))
     return rows
@@ -372,7 +380,9 @@ BLOOM = Source(
     name="BLOOM-176B, Megatron-DeepSpeed",
     where="bigscience-workshop/bigscience train/tr11-176B-ml (README, chronicles.md: 105.22 s per iteration)",
     convention="hardware FLOPs (SC'21 Eq. 3), % of 312 TFLOP/s; the iteration time as logged",
-    features=dataclasses.replace(MEGATRON_2021, zero_stages=(1,)),  # DeepSpeed's ZeRO-1 bf16 optimizer
+    # DeepSpeed's ZeRO-1 bf16 optimizer; the Megatron-DeepSpeed of 2022 had neither sequence parallelism nor
+    # selective recomputation, and the run recomputed every block (its logged TFLOPs count it, SC'21 Eq. 3).
+    features=dataclasses.replace(MEGATRON_2021_SC21, zero_stages=(1,)),
     profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
     assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "
     "by its 8 GPUs",

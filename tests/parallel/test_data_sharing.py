@@ -101,6 +101,10 @@ def follow_across_load(rank, world_size, cfg):
     taken = [next(train)[0] for _ in range(6)]
     train.load_state_dict({"consumed_sequences": 4})
     taken += [next(train)[0] for _ in range(6)]
+    # The taker may take batches the reader published before the load (the same ones) and be done while
+    # the reader still publishes them again for itself: a taker that has left fails that publish. In
+    # training each step's collectives keep the ranks together; here the barrier does.
+    dist.barrier()
     train.close()
     alone = train_loader_for(dataclasses.replace(cfg, share_per_node=False, prefetch=0))
     reference = [next(alone)[0] for _ in range(8)]

@@ -110,11 +110,59 @@ def test_a_ring_inside_a_node_is_faster_than_one_across_nodes():
         (JOB, layout(2, attention="sp"), "beside sequence-parallel attention"),
         (
             Job(paper_moe.MODEL_352B, 8192, 8),
-            layout(2, tp=1, dp=4, moe_tp="whole"),
-            "context parallelism beside MoE layers is not modelled",
+            layout(2, tp=2, dp=2, moe_tp="ep", ep=2),
+            "moe_tp 'ep' beside context parallelism",
         ),
+        (Job(paper_moe.MODEL_352B, 8192, 8), layout(2, tp=1, dp=4, ep=16, moe_tp="whole"), "dp 4 x cp 2"),
     ],
 )
 def test_layouts_context_parallelism_cannot_run_are_refused(job, chosen, message):
     with pytest.raises(ConfigError, match=message):
         estimate_step(job, chosen, MEGASCALE, H100, Cluster(chosen.devices))
+
+
+MOE_JOB = Job(paper_moe.MODEL_352B, 8192, 8)
+
+
+def moe_step(cp: int, ep: int = 1):
+    """The 352B MoE model over 8 GPUs, one sequence per rank pair: dp x cp = 8 // tp ranks."""
+    chosen = Layout(tp=1, pp=1, dp=8 // cp, cp=cp, ep=ep, moe_tp="whole", recompute="full", zero_stage=3)
+    return estimate_step(MOE_JOB, chosen, NO_CP_OVERLAP, H100, Cluster(chosen.devices))
+
+
+def test_an_moe_layer_beside_context_parallelism_computes_and_sends_its_ranks_tokens_only():
+    """Each cp rank routes its own positions: the experts' GEMMs and the all-to-all's bytes divide by cp,
+    and expert parallelism spans the dp x cp ranks that hold the same weights."""
+    from megascale.plan.experts import busiest_rank_load, moe_work, slots_computed, tokens_in
+
+    def layout_of(cp: int, ep: int = 8) -> Layout:
+        return Layout(tp=1, dp=8 // cp, cp=cp, ep=ep, moe_tp="whole", recompute="full")
+
+    assert tokens_in(MOE_JOB, layout_of(2)) == tokens_in(MOE_JOB, layout_of(1)) / 2 == 4096
+    assert slots_computed(MOE_JOB, layout_of(4)) == 2048 * 3
+
+    def work(cp: int):
+        return moe_work(MOE_JOB, layout_of(cp), H100, lambda flops: flops)  # seconds = FLOPs: the work
+
+    # The busiest rank's share of the slots grows a little as each rank routes fewer tokens.
+    ratio = busiest_rank_load(MOE_JOB, layout_of(2)) / busiest_rank_load(MOE_JOB, layout_of(1))
+    assert 1 < ratio < 1.01
+    assert work(2).expert_gemm_s == pytest.approx(work(1).expert_gemm_s / 2 * ratio)
+    assert work(2).all_to_all_s == pytest.approx(work(1).all_to_all_s / 2 * ratio, rel=0.01)
+    # Experts over 8 ranks of dp 4 x cp 2: each holds 4 of 32, data-parallel over none.
+    experts = stage_param_groups(MOE_JOB, layout_of(2))[1]
+    assert (experts.ranks, experts.params) == (1, 60 * 4 * 3 * 4096 * 14336)
+    assert moe_step(2, ep=8).step_s < moe_step(1, ep=8).step_s * 1.05  # the same work, split otherwise
+    assert moe_step(2).terms_s["cp_exposed"] > 0
+
+
+def test_the_search_offers_context_parallelism_to_an_moe_model_beside_experts_over_data_parallel_ranks():
+    from megascale.plan.job import MEGASCALE_TRAINER
+    from megascale.plan.search import candidate_layouts
+
+    model = dataclasses.replace(paper_moe.MODEL_352B, max_seq_len=32768)
+    offered = candidate_layouts(Job(model, 32768, 8), 32, H100, {}, ("full",), MEGASCALE_TRAINER)
+    with_cp = [chosen for chosen in offered if chosen.cp > 1]
+    assert {chosen.cp for chosen in with_cp} == {2, 4}
+    assert {chosen.moe_tp for chosen in with_cp} == {"whole"}  # the trainer refuses moe_tp 'ep' with cp
+    assert any(chosen.ep > chosen.dp for chosen in with_cp)  # experts over the dp x cp ranks

@@ -2,6 +2,7 @@
 overlap, the layouts it refuses, and MegaScale-MoE's published comparison."""
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,14 @@ from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token, num_params
 from megascale.plan import paper_moe
 from megascale.plan.comm import all_to_all_seconds
-from megascale.plan.experts import MoEWork, exposed_all_to_all_seconds, layout_problem, moe_work
+from megascale.plan.experts import (
+    MoEWork,
+    busiest_rank_load,
+    expected_max_of_normals,
+    exposed_all_to_all_seconds,
+    layout_problem,
+    moe_work,
+)
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Cluster, Features, Job, Layout, job_from_config, layout_from_config
 from megascale.plan.memory import memory_per_device, stage_param_groups
@@ -63,10 +71,31 @@ def test_an_all_to_all_sends_each_peer_its_share_over_the_link_it_reaches_it_by(
 def test_the_dispatch_moves_each_slot_of_the_ranks_share_of_the_sequence():
     layout = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp")
     work = moe_work(JOB, layout, H800, lambda flops: 0.0)
-    slots_bytes = 8192 / 8 * 3 * H * 2  # its 1024 tokens, top-3, bf16
-    one = all_to_all_seconds(slots_bytes, 8, 1, H800)
+    slots_bytes = 8192 / 8 * 3 * H * 2  # its 1024 tokens, top-3, bf16, as the busiest rank receives them
+    one = all_to_all_seconds(slots_bytes * busiest_rank_load(JOB, layout), 8, 1, H800)
     assert work.all_to_all_s == pytest.approx(4 * one)  # dispatch + combine, forward + backward
     assert work.forward_all_to_all_s == pytest.approx(2 * one)
+
+
+def test_the_busiest_expert_parallel_rank_sets_the_pace_by_its_expected_share_of_independent_routing():
+    """8 ranks of 4 experts each, 8,192 tokens a micro-batch each picking 3 of 32: a rank's slots have mean
+    3,072 and variance 8,192 x 3 x 1/8 x 7/8 x 29/31; the busiest of 8 exceeds the mean by 1.4236 standard
+    deviations of the ranks' loads about their mean (sd / sqrt(7/8))."""
+    assert expected_max_of_normals(1) == pytest.approx(0.0, abs=1e-6)
+    assert expected_max_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert expected_max_of_normals(8) == pytest.approx(1.4236, abs=1e-4)
+    megascale_moe = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp")
+    spread = math.sqrt(8192 * 3 * (1 / 8) * (7 / 8) * (29 / 31) / (7 / 8))
+    assert busiest_rank_load(JOB, megascale_moe) == pytest.approx(1 + 1.4236 * spread / 3072, rel=1e-4)
+    assert 1.02 < busiest_rank_load(JOB, megascale_moe) < 1.03
+    # Every rank computing a share of every slot: no rank is busier than another.
+    assert busiest_rank_load(JOB, Layout(tp=8, pp=15, dp=2, moe_tp="split")) == 1.0
+    # A capacity caps what any expert, and so any rank, takes.
+    capped = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, capacity_factor=1.01))
+    assert busiest_rank_load(dataclasses.replace(JOB, model=capped), megascale_moe) == 1.01
+    work = moe_work(JOB, megascale_moe, H800, lambda flops: flops)
+    even = 4 * 3 * 3 * 2 * (3072 / 4) * H * F / H800.grouped_gemm_efficiency  # 4 experts' 3 GEMMs x 3
+    assert work.expert_gemm_s == pytest.approx(even * busiest_rank_load(JOB, megascale_moe))
 
 
 def test_the_overlap_hides_all_but_the_first_chunk_while_the_experts_last():
@@ -139,6 +168,12 @@ def test_megascale_plan_searches_expert_parallel_layouts_and_prints_their_overri
     out = capsys.readouterr().out
     assert " ep" in out.split("memory limit")[0]
     assert "--parallel.ep=" in out
+
+
+def test_both_systems_throughputs_are_predicted_within_ten_percent_at_every_published_size():
+    for row in paper_moe.table_3():
+        print(f"{row.gpus} GPUs: Megatron-LM {row.error(0):+.1%}, MegaScale-MoE {row.error(1):+.1%}")
+        assert abs(row.error(0)) <= 0.10 and abs(row.error(1)) <= 0.10
 
 
 def test_megascale_moe_beats_megatron_lm_at_every_published_size():

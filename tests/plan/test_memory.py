@@ -82,3 +82,15 @@ def test_materialised_attention_scores_are_kept_unless_recomputed():
     assert memory_per_device(job, selective, materialized_scores=True).activations_bytes == pytest.approx(
         memory_per_device(job, selective).activations_bytes
     )
+
+
+def test_torchtitans_selective_op_checkpointing_keeps_every_other_matmuls_output():
+    """'op' keeps the block's input, the attention's output and the outputs of the first, third, ...
+    matmul in forward order (q 64, v 32, the MLP's gate 192 and output 64 of the tiny model), 4 bytes each
+    here, between none and full recomputation."""
+    s, b = 32, 1
+    kept = 64 + 4 * 16 + (64 + 32 + 192 + 64)
+    assert activation_bytes_per_block(JOB, Layout(recompute="op")) == s * b * kept * 4
+    kinds = ("none", "op", "full")
+    by_kind = {kind: activation_bytes_per_block(JOB, Layout(recompute=kind)) for kind in kinds}
+    assert by_kind["full"] < by_kind["op"] < by_kind["none"]

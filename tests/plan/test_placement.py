@@ -61,3 +61,11 @@ def test_context_parallel_rings_are_adjacent_data_parallel_ranks_as_parallel_dim
     assert placement.nodes_spanned["cp"] == 1 and placement.nodes_spanned["dp"] == 2
     assert "CP groups span 1 node(s)" in placement.describe()
     assert "cp" not in place(Layout(tp=2, dp=8), A100, "tp-dp-pp").nodes_spanned
+
+
+def test_beside_context_parallelism_an_expert_parallel_group_is_consecutive_dp_shard_ranks():
+    """The trainer splits experts over dp_shard, which holds the cp ranks: with tp 2, dp 4 x cp 2 and ep 4
+    a group is 4 consecutive dp_shard ranks (ranks 0, 2, 4, 6 for tp rank 0), one node; with ep 8, two."""
+    placement = place(Layout(tp=2, dp=4, cp=2, ep=4, moe_tp="whole"), A100, "tp-dp-pp")
+    assert placement.nodes_spanned["ep"] == 1  # not dp ranks 0-3 with both cp ranks each: 2 nodes
+    assert place(Layout(tp=2, dp=4, cp=2, ep=8, moe_tp="whole"), A100, "tp-dp-pp").nodes_spanned["ep"] == 2

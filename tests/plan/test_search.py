@@ -79,3 +79,15 @@ def test_context_parallelism_is_offered_for_long_sequences_only():
     assert all(layout.devices == 256 for layout in offered)
     pinned = candidate_layouts(long_job, 256, A100, {"cp": 2}, ("none",), MEGASCALE)
     assert pinned and {layout.cp for layout in pinned} == {2}
+
+
+def test_the_search_offers_only_the_recomputation_and_sequence_parallelism_the_system_has():
+    """Megatron-LM as SC'21 ran it: no sequence parallelism, and every block recomputed."""
+    from megascale.plan.validation import MEGATRON_2021_SC21
+
+    plans = search(JOB, Cluster(1024), A100, MEGATRON_2021_SC21)
+    assert {plan.layout.recompute for plan in plans} == {"full"}
+    assert not any(plan.layout.sequence_parallel for plan in plans)
+    offered = candidate_layouts(JOB, 1024, A100, {}, ("none", "op"), MEGASCALE)
+    assert {layout.recompute for layout in offered} == {"none", "op"}
+    assert all(layout.sequence_parallel for layout in offered)

@@ -133,3 +133,30 @@ def test_without_sequence_parallelism_a_pipeline_transfer_is_scattered_over_the_
     scattered = estimate(features=MEGATRON, **no_sp).terms_s["pp_exposed"]
     whole = estimate(features=dataclasses.replace(MEGATRON, pp_scatter_gather=False), **no_sp)
     assert whole.terms_s["pp_exposed"] > 4 * scattered
+
+
+def test_torchtitans_selective_op_checkpointing_recomputes_every_second_matmul_and_the_element_wise_work():
+    """Llama 3 8B: of q, k, v, o and the MLP's gate, up and down projections, 'op' recomputes the forward
+    of k, o and up (79.7M of the block's 218.1M weights) and every element-wise operator's."""
+    from megascale.plan.compute import block_time
+    from megascale.plan.validation import llama
+
+    job = Job(llama(4096, 32, 32, 8, 14336, 128256, 8192), seq_len=8192, global_batch=64)
+    layout = Layout(dp=64, recompute="op", sequence_parallel=False)
+    block = block_time(job, layout, A100, fused_kernels=False, attention_kernel="flash2")
+    recomputed = [(4096, 1024), (4096, 4096), (4096, 14336)]
+    gemms_s = sum(gemm_seconds(2 * 8192 * n_in * n_out, A100, "bfloat16") for n_in, n_out in recomputed)
+    assert block.recompute_s == pytest.approx(gemms_s + block.elementwise_s / 3)
+    assert 0.1 < block.recompute_s / block.gemm_s < 0.15  # against full recomputation's third
+
+
+def test_megatrons_collectives_per_column_row_pair_follow_sequence_parallelism():
+    """With sequence parallelism: all-gather forward, all-gather again and reduce-scatter backward for the
+    column-parallel layer, reduce-scatter forward and all-gather backward for the row-parallel one (5).
+    Without it: an all-reduce forward and one backward (4). Full recomputation repeats the forward's."""
+    from megascale.plan.step import pair_collectives
+
+    assert pair_collectives(Layout(recompute="selective")) == 5
+    assert pair_collectives(Layout(recompute="full")) == 7
+    assert pair_collectives(Layout(recompute="selective", sequence_parallel=False)) == 4
+    assert pair_collectives(Layout(recompute="full", sequence_parallel=False)) == 6

@@ -23,7 +23,7 @@ def test_a_rows_published_step_reproduces_its_sources_own_figures():
     # llm-foundry's MPT-7b at 10,475 tokens/s per GPU on 128 H100s is its published 45.71% MFU.
     assert rows["MPT-7b on 128"].mfu == pytest.approx(0.4571, abs=0.003)
     # torchtitan's Llama 3 8B at 2,973 tokens/s per GPU is its published 58.2% MFU.
-    assert rows["Llama 3 8B, recompute selective"].mfu == pytest.approx(0.582, abs=0.003)
+    assert rows["Llama 3 8B, recompute selective op"].mfu == pytest.approx(0.582, abs=0.003)
 
 
 def test_llama_3s_long_context_layout_is_expressed_and_predicted_within_8_points():
@@ -45,6 +45,7 @@ def test_the_validation_set_is_predicted_without_a_systematic_sign():
     print(f"{len(errors)} rows: mean absolute error {mean_abs:.1f}, mean {mean:+.1f}, worst {worst:+.1f}")
     assert len(errors) >= 40
     assert mean_abs <= 4.0 and abs(mean) <= 2.0
+    assert abs(worst) <= 8.0
 
 
 def test_docs_show_the_validation_table_the_code_produces():
