@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megascale.config import JobConfig, apply_overrides
+from megascale.data.dataset import IGNORE_INDEX
 from megascale.data.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from megascale.errors import ConfigError
 from megascale.parallel.distributed import pick_device
@@ -93,6 +94,7 @@ def evaluate(
         seed=job.training.seed,
         progress=False,
     )
+    train.close()  # only its sequences are read, never its stream
     packed = val.sequences if split == "validation" else train.sequences
     if packed is None and job.data.streaming:
         raise ConfigError(
@@ -109,10 +111,11 @@ def evaluate(
     for start in range(0, count, step):
         indices = [index % packed.num_sequences for index in range(start, min(start + step, count))]
         inputs, labels = packed.batch(indices)
-        with autocast:
+        with autocast:  # a sum over the real labels (next_token_loss divides by every slot)
             loss_sum += float(next_token_loss(model(inputs.to(on)), labels.to(on))) * labels.numel()
-        tokens += labels.numel()
-        scored_bytes += int(bytes_of[labels].sum())
+        real = labels[labels != IGNORE_INDEX]
+        tokens += real.numel()
+        scored_bytes += int(bytes_of[real].sum())
     return Score(loss=loss_sum / tokens, tokens=tokens, bytes=scored_bytes, sequences=count)
 
 
