@@ -82,8 +82,8 @@ def evaluate(
     from megascale.data import build_dataloaders
     from megascale.trainer import next_token_loss
 
-    trained = load_trained(source, pick_device(device))
-    on = next(trained.model.parameters()).device
+    on = pick_device(device)
+    trained = load_trained(source, on)
     model, job = trained.model, _with_data_overrides(trained.job, overrides or [])
     if split not in ("validation", "training"):
         raise ConfigError(f"eval: --split {split!r} is not a split; use 'validation' or 'training'")

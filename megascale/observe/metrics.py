@@ -49,12 +49,16 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        numbers = {
+            key: value
+            for key, value in scalars.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         if self._tensorboard is not None:
-            for key, value in scalars.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self._tensorboard.add_scalar(key, value, step)
         if self._wandb is not None:
-            self._wandb.write(step, scalars)
+            self._wandb.write(step, numbers)
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -52,12 +52,7 @@ class WandbSink:
             settings=wandb.Settings(console="off", x_disable_stats=True, save_code=False),
         )
 
-    def write(self, step: int, scalars: dict[str, Any]) -> None:
-        numbers = {
-            key: value
-            for key, value in scalars.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
+    def write(self, step: int, numbers: dict[str, int | float]) -> None:
         self.run.log(numbers, step=step)
 
     def close(self) -> None:

@@ -40,7 +40,8 @@ from torch import nn
 
 from megascale.models.attention import WholeSequenceAttention
 from megascale.models.llama import Attention
-from megascale.models.moe import MoE, WholeSequences
+from megascale.models.moe import MoE
+from megascale.parallel.tensor import SequenceShards
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -286,23 +287,18 @@ class RingAttention(WholeSequenceAttention):
         return ring_attention(q, k, v, self.group, window, self.overlap)
 
 
-class ContextShards(WholeSequences):
+class ContextShards(SequenceShards):
     """An MoE layer's view of sequences split over the cp ranks: this rank holds two pieces of each, chunks
-    r and 2cp-1-r (`chunk_positions`). Counts are summed over the ring, and the counts before a piece are
-    those of every chunk ahead of it in the sequence, whichever rank holds it. The ranks are data-parallel
-    ranks too (their gradients are averaged), so this part's balancing-loss terms weigh cp times."""
+    r and 2cp-1-r (`chunk_positions`). Counts are summed over the ring (as over a TP group), and the counts
+    before a piece are those of every chunk ahead of it in the sequence, whichever rank holds it. The ranks
+    are data-parallel ranks too (their gradients are averaged), so this part's balancing-loss terms weigh cp
+    times."""
 
     pieces = 2
 
     def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-        self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        super().__init__(group)
         self.loss_weight = self.parts
-
-    def total(self, counts: torch.Tensor) -> torch.Tensor:
-        counts = counts.detach().clone()
-        dist.all_reduce(counts, group=self.group)
-        return counts
 
     def before(self, counts: torch.Tensor) -> torch.Tensor:
         held = [torch.empty_like(counts) for _ in range(self.parts)]
