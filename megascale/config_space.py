@@ -75,11 +75,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.ep", (1, 2), lambda row: _moe(row) and row["parallel.dp_shard"] > 1),
     Knob("parallel.ep_comm_dtype", ("float32", "bfloat16", "float8_e4m3fn"), experts_split),
     Knob("parallel.pp", (1, 2)),
-    Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe"), _pp),
+    Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev"), _pp),
     Knob(
         "parallel.pp_virtual_stages",
         (1, 2),
-        lambda row: _pp(row) and row["parallel.pp_schedule"] == "interleaved_1f1b",
+        lambda row: _pp(row) and row["parallel.pp_schedule"] in ("interleaved_1f1b", "zbv", "dualpipev"),
     ),
     Knob("parallel.pp_split", ("uniform", "params"), _pp),
     Knob("parallel.rank_order", ("tp-dp-pp", "tp-pp-dp"), lambda row: _pp(row) and _dp(row)),
@@ -118,6 +118,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("optim.grad_clip", (0.5, None)),
     Knob("training.micro_batch_size", (2, 1, 4)),
     Knob("training.dtype", ("float32", "bfloat16")),
+    Knob("training.fp8", ("none", "tensorwise", "rowwise")),
+    Knob(
+        "training.fp8_all_gather",
+        (False, True),
+        lambda row: row["training.fp8"] == "tensorwise" and row["parallel.dp_shard"] > 1,
+    ),
     Knob("training.compile", (False, True), costly=True),
     Knob("data.share_per_node", (True, False), lambda row: _pp(row) or _tp(row)),
     Knob("data.prefetch", (1, 0)),
@@ -183,6 +189,8 @@ NEUTRAL: dict[str, str] = {
         ],
         _SAME_NUMBER,
     ),
+    "training.fp8_exclude": "which linear layers stay out of float8: every layout and its one-process "
+    "reference convert the same layers",
     "parallel.overlap.tp_chunks": "the TP overlap's chunk count: one code path for any count, checked "
     "against one process with 2 and 3 (uneven) chunks in tests/parallel/test_tensor.py",
     **dict.fromkeys(
@@ -480,6 +488,8 @@ def _fill(target: tuple, rng: random.Random, base: Row | None = None) -> Row:
     if base is None:
         for key in ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp"):
             row[key] = 1 if rng.random() < 0.5 else 2
+    for pair in target:
+        row.update(_VALUE_PREREQUISITES.get(pair, {}))
     row.update(dict(target))
     # Knobs the target needs active pull their prerequisites in: a pipeline for pipeline knobs, and so on.
     for _ in range(3):
@@ -503,22 +513,41 @@ _PREREQUISITES: dict[str, dict[str, Any]] = {
     "parallel.ep": {"model.moe.experts": 4, "parallel.dp_shard": 2},
     "parallel.ep_comm_dtype": {"model.moe.experts": 4, "parallel.dp_shard": 2, "parallel.ep": 2},
     "parallel.overlap.ep": {"model.moe.experts": 4, "parallel.dp_shard": 2, "parallel.ep": 2},
+    "training.fp8_all_gather": {"training.fp8": "tensorwise", "parallel.dp_shard": 2},
 }
 _MOE = {"model.moe.experts": 4}  # what every MoE knob but the expert count needs
+# What a value needs besides its knob's prerequisites to be accepted, unless the combination sets it:
+# the zero-bubble schedules' two stages a rank, their overlapped runtime, ZeRO-2 beside data parallelism
+# (parallel/dims.py), and DualPipeV's 2 pp micro-batches.
+_V_SCHEDULE = {
+    "parallel.pp": 2,
+    "parallel.pp_virtual_stages": 2,
+    "parallel.overlap.pp": True,
+    "parallel.zero_stage": 2,
+    "parallel.activation_checkpoint": "none",
+    "training.compile": False,
+}
+_VALUE_PREREQUISITES: dict[tuple[str, Any], dict[str, Any]] = {
+    ("parallel.pp_schedule", "zbv"): _V_SCHEDULE,
+    ("parallel.pp_schedule", "dualpipev"): {**_V_SCHEDULE, "training.micro_batch_size": 1},
+    # float8 layers run beside tensor parallelism without its overlapped GEMMs
+    ("training.fp8", "tensorwise"): {"parallel.overlap.tp": False},
+    ("training.fp8", "rowwise"): {"parallel.overlap.tp": False},
+}
 
 
-def _prerequisite_values(key: str) -> dict[str, Any]:
+def prerequisite_values(key: str) -> dict[str, Any]:
     """What `key` needs set to make a difference (parallel.cp needs parallel.dp_shard = 2)."""
     return _PREREQUISITES.get(key, _MOE if key.startswith("model.moe.") else {})
 
 
 def prerequisites(key: str) -> set[str]:
     """The knobs `key` needs set to make a difference."""
-    return set(_prerequisite_values(key))
+    return set(prerequisite_values(key))
 
 
 def _activate(row: Row, key: str, rng: random.Random) -> None:
-    row.update(_prerequisite_values(key))
+    row.update(prerequisite_values(key))
     if key == "parallel.overlap.pp" and row["parallel.pp_schedule"] == "gpipe":
         row["parallel.pp_schedule"] = rng.choice(("1f1b", "interleaved_1f1b"))
     if key in ("parallel.zero_stage", "parallel.overlap.dp", "parallel.rank_order") and not _dp(row):

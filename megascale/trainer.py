@@ -46,6 +46,7 @@ from megascale.observe.wandb_sink import WandbSink
 from megascale.optim import apply_settings, build_lr_scheduler, build_optimizer
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.distributed import env_world_size, join_job, pick_device
+from megascale.parallel.float8 import convert_to_float8
 from megascale.parallel.parallelize import parallelize
 from megascale.parallel.step import ParallelModel
 from megascale.resilience.client import ProgressReporter
@@ -169,14 +170,19 @@ class Trainer(Stateful):
         self.reporter = ProgressReporter(self.rank)
         self._last_nonfinite_step: int | None = None
         torch.manual_seed(training.seed)
+        model = Transformer(cfg.model).to(self.device)
+        if training.fp8 != "none":
+            exclude = [name.strip() for name in training.fp8_exclude.split(",") if name.strip()]
+            convert_to_float8(model, training.fp8, all_gather=training.fp8_all_gather, exclude=exclude)
         self.model: ParallelModel = parallelize(
-            Transformer(cfg.model).to(self.device),
+            model,
             dims,
             cfg.parallel,
             device=self.device,
             microbatches=self.grad_accum_steps,
             autocast_dtype=torch.bfloat16 if training.dtype == "bfloat16" else None,
             compile_blocks=training.compile,
+            float8_all_gather=training.fp8_all_gather,
         )
         self.optimizers = [build_optimizer(part, cfg.optim) for part in self.model.parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.optim, training.steps) for opt in self.optimizers]

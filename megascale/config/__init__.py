@@ -97,6 +97,13 @@ class JobConfig:
                 a.head_dim or a.n_heads,
                 f"gives an odd head size {head_dim_of(m)}; RoPE needs an even one",
             )
+        if t.fp8_all_gather and t.fp8 != "tensorwise":
+            fail(
+                "training.fp8_all_gather",
+                True,
+                f"needs training.fp8 = 'tensorwise' (one scale a tensor, which FSDP can gather with it), not "
+                f"{t.fp8!r}",
+            )
         scaling = a.rope_scaling
         if scaling.type in ("yarn", "llama3") and scaling.original_max_seq_len is None:
             fail(

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from megascale.options import option, section
 
+# The zero-bubble pipeline schedules: two stages a rank, in a V (parallel/pipeline.py).
+V_SCHEDULES = ("zbv", "dualpipev")
+
 
 @dataclass
 class OverlapConfig:
@@ -107,9 +110,18 @@ class ParallelConfig:
         "every micro-batch (ZeRO-2-like); 3: free them after forward and gather again for backward.",
         choices=(1, 2, 3),
     )
-    pp_schedule: str = option("1f1b", "Pipeline schedule.", choices=("1f1b", "interleaved_1f1b", "gpipe"))
+    pp_schedule: str = option(
+        "1f1b",
+        "Pipeline schedule: 1F1B, interleaved 1F1B (looped stages), GPipe, or a zero-bubble schedule on "
+        "V-shaped stages (rank r holds stages r and 2 pp - 1 - r; the weight gradients fill the bubble): "
+        "'zbv' (ZB-V) or 'dualpipev' (DeepSeek's DualPipeV, at least 2 pp micro-batches).",
+        choices=("1f1b", "interleaved_1f1b", "gpipe", *V_SCHEDULES),
+    )
     pp_virtual_stages: int = option(
-        1, "Model chunks per pipeline rank; more than 1 needs pp_schedule = 'interleaved_1f1b'.", ge=1
+        1,
+        "Model chunks per pipeline rank; more than 1 needs pp_schedule = 'interleaved_1f1b', and 'zbv' and "
+        "'dualpipev' need exactly 2.",
+        ge=1,
     )
     pp_split: str = option(
         "uniform",

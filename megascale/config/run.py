@@ -116,6 +116,22 @@ class TrainingConfig:
         "Compute precision: float32, or bfloat16 autocast (weights and optimizer state stay float32).",
         choices=("float32", "bfloat16"),
     )
+    fp8: str = option(
+        "none",
+        "Linear layers' matmuls in float8 with dynamic scaling (torchao's float8 training): 'tensorwise' "
+        "(one scale a tensor), 'rowwise' (one a row: closer to bfloat16, no float8 all-gather), or 'none'.",
+        choices=("none", "tensorwise", "rowwise"),
+    )
+    fp8_all_gather: bool = option(
+        False,
+        "With fp8 = 'tensorwise' and FSDP (dp_shard > 1): all-gather the float8 layers' weights in float8, "
+        "a byte an element.",
+    )
+    fp8_exclude: str = option(
+        "output,router.gate",
+        "Comma-separated linear layer names (matched as name suffixes) kept in the compute precision under "
+        "fp8; embeddings and the MoE experts' grouped weights always are.",
+    )
     compile: bool = option(False, "Compile the model with torch.compile.")
     device: str = option("auto", "'auto' (the accelerator if present, else CPU), 'cpu', 'cuda', ...")
     threads: int | None = option(

@@ -37,7 +37,7 @@ from megascale.observe.trace import TRACES
 
 MAIN, WAIT = "main", "wait"
 # Which phases are compute, for the step's breakdown (communication waits inside them are taken out).
-COMPUTE = ("forward", "backward", "clip", "optimizer")
+COMPUTE = ("forward", "backward", "backward_weight", "clip", "optimizer")
 
 
 class _Span:

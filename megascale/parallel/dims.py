@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megascale.config import JobConfig, fail
+from megascale.config.parallel import V_SCHEDULES
 from megascale.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ class ParallelDims:
         self._validate_expert_parallel(cfg)
         self._validate_context_parallel(cfg)
         self._validate_pipeline(cfg)
+        self._validate_float8(cfg)
         self._validate_batch(cfg)
 
     def _validate_tensor_parallel(self, cfg: JobConfig) -> None:
@@ -266,11 +268,73 @@ class ParallelDims:
                 f"cannot be used with parallel.pp = {self.pp}: the embedding and the output layer live "
                 "on different stages; set --model.tie_embeddings=false",
             )
-        if par.pp_virtual_stages > 1 and par.pp_schedule != "interleaved_1f1b":
+        if par.pp_schedule in V_SCHEDULES:
+            self._validate_v_schedule(cfg)
+        elif par.pp_virtual_stages > 1 and par.pp_schedule != "interleaved_1f1b":
             fail(
                 "parallel.pp_virtual_stages",
                 par.pp_virtual_stages,
                 f"needs parallel.pp_schedule = 'interleaved_1f1b', not {par.pp_schedule!r}",
+            )
+
+    def _validate_v_schedule(self, cfg: JobConfig) -> None:
+        """The zero-bubble schedules hold two stages a rank, run only on torch's schedule runtime, and
+        split each backward into its input and weight gradients, which torch.compile cannot do."""
+        par, schedule = cfg.parallel, repr(cfg.parallel.pp_schedule)
+        if self.pp == 1:
+            return
+        if par.pp_virtual_stages != 2:
+            fail(
+                "parallel.pp_virtual_stages",
+                par.pp_virtual_stages,
+                f"must be 2 with parallel.pp_schedule = {schedule} (two stages a rank, in a V); set "
+                "--parallel.pp_virtual_stages=2",
+            )
+        if not par.overlap.pp:
+            fail(
+                "parallel.overlap.pp",
+                False,
+                f"cannot be used with parallel.pp_schedule = {schedule}: it runs only with its receives "
+                "posted early (torch's schedule runtime); set --parallel.overlap.pp=true",
+            )
+        if cfg.training.compile:
+            fail(
+                "training.compile",
+                True,
+                f"cannot be used with parallel.pp_schedule = {schedule}: torch cannot split a compiled "
+                "block's backward into input and weight gradients; set --training.compile=false or "
+                "--parallel.pp_schedule=interleaved_1f1b",
+            )
+        if par.activation_checkpoint == "selective":
+            fail(
+                "parallel.activation_checkpoint",
+                "selective",
+                f"cannot be used with parallel.pp_schedule = {schedule}: a selectively checkpointed "
+                "region allows one backward, and the schedule runs two (input, then weight gradients); "
+                "use 'full' or 'none'",
+            )
+        if par.zero_stage == 3 and self.dp_replicate * self.dp_shard > 1:
+            fail(
+                "parallel.zero_stage",
+                3,
+                f"cannot be used with parallel.pp_schedule = {schedule} and data parallelism: torch 2.13's "
+                "schedule loses the deferred weight gradients of a stage whose parameters FSDP frees "
+                "after the forward; set --parallel.zero_stage=2",
+            )
+
+    def _validate_float8(self, cfg: JobConfig) -> None:
+        """Float8 layers are torchao's modules: a path that multiplies their weights itself would bypass
+        them."""
+        training, par = cfg.training, cfg.parallel
+        if training.fp8 == "none":
+            return
+        if self.tp > 1 and par.sequence_parallel and par.overlap.tp:
+            fail(
+                "training.fp8",
+                training.fp8,
+                f"cannot be used with parallel.overlap.tp at parallel.tp = {self.tp}: the overlapped "
+                "tensor-parallel GEMMs multiply the weights themselves, in the compute precision; set "
+                "--parallel.overlap.tp=false",
             )
 
     def _validate_batch(self, cfg: JobConfig) -> None:
@@ -309,6 +373,13 @@ class ParallelDims:
                 training.micro_batch_size,
                 f"leaves {count}, fewer than parallel.pp = {self.pp} (the pipeline schedule needs at least "
                 "pp)" + suggestion(lambda size, count: count >= self.pp),
+            )
+        if self.pp > 1 and par.pp_schedule == "dualpipev" and microbatches < 2 * self.pp:
+            fail(
+                "training.micro_batch_size",
+                training.micro_batch_size,
+                f"leaves {count}; DualPipeV needs at least its 2 x parallel.pp = {2 * self.pp} stages"
+                + suggestion(lambda size, count: count >= 2 * self.pp),
             )
         if self.pp > 1 and par.pp_schedule == "interleaved_1f1b" and microbatches % self.pp:
             fail(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -23,6 +24,7 @@ from megascale.parallel.data import apply_fsdp
 from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.expert import apply_expert_parallel
+from megascale.parallel.float8 import gather_float8_as_bytes
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
 from megascale.parallel.step import ParallelModel, PipelinedModel
 from megascale.parallel.tensor import apply_tensor_parallel
@@ -37,9 +39,11 @@ def parallelize(
     microbatches: int,
     autocast_dtype: torch.dtype | None = None,
     compile_blocks: bool = False,
+    float8_all_gather: bool = False,
 ) -> ParallelModel:
     """Collective over the whole mesh (`dims.mesh`): every rank calls it with an identical `model` (same
-    weights). The result steps the model in this layout (parallel/step.py)."""
+    weights; its float8 layers already converted, parallel/float8.py). The result steps the model in this
+    layout (parallel/step.py)."""
     # Without streams (CPU) FSDP2's reduce-scatters block; made asynchronous here (parallel/data.py), but
     # not under a pipeline schedule: it scales the gradients as soon as FSDP2 has reduced them; nor with
     # expert parallelism, whose experts are an FSDP unit inside each block's.
@@ -54,7 +58,7 @@ def parallelize(
     reductions = GradientReductions() if async_reductions else None
     routed = any(isinstance(module, MoE) for module in model.modules())  # before a stage drops layers
     if dims.pp == 1:
-        _shard(model, dims, par, compile_blocks, reductions)
+        _shard(model, dims, par, compile_blocks, reductions, float8_all_gather)
         return ParallelModel(
             [model],
             device=device,
@@ -68,10 +72,10 @@ def parallelize(
             context=(dims.cp, dims.context_rank()),
         )
     num_stages = dims.pp * par.pp_virtual_stages
-    stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages)
+    stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages, par.pp_schedule)
     parts = _stages(model, stage_ids, num_stages, par)
     for part in parts:
-        _shard(part, dims, par, compile_blocks, reductions)
+        _shard(part, dims, par, compile_blocks, reductions, float8_all_gather)
     group = dims.sub_mesh("pp").get_group()
     schedule = partial(
         build_schedule,
@@ -134,9 +138,11 @@ def _shard(
     par: ParallelConfig,
     compile_blocks: bool,
     reductions: GradientReductions | None,
+    float8_all_gather: bool = False,
 ) -> None:
     """One model part, in place: tensor + sequence parallelism, context parallelism's ring attention,
-    activation checkpointing, per-block compilation, expert parallelism, FSDP."""
+    activation checkpointing, per-block compilation, expert parallelism, FSDP (its float8 weights
+    gathered as bytes where the backend has no float8 type)."""
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
@@ -176,3 +182,5 @@ def _shard(
             reductions=reductions,
             ignored=alone,
         )
+        if float8_all_gather and dist.get_backend(dims.fsdp_mesh().get_group(0)) == "gloo":
+            gather_float8_as_bytes(list(part.modules()))

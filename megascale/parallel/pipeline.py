@@ -4,7 +4,11 @@ A stage is a copy of the model that keeps only its own layers; the first stage k
 last the final norm and output layer (and computes the loss). Keeping the model's own class and names means
 checkpoints stay keyed by the same parameter names in every layout. With virtual stages (interleaved 1F1B)
 rank r of a pp-rank pipeline holds stages r, r + pp, r + 2 pp, ... (the "looped" placement of Megatron's
-interleaved schedule), which shrinks the bubble by the number of chunks per rank (paper §2).
+interleaved schedule), which shrinks the bubble by the number of chunks per rank (paper §2). The zero-bubble
+schedules (ZB-V, DualPipeV) hold two stages per rank in a V instead: rank r holds stages r and 2 pp - 1 - r,
+so rank 0 holds the first stage and the last, and a micro-batch turns around on the last rank without a
+transfer; they split each backward into the input gradient (on the critical path) and the weight gradient
+(deferred into what would be the bubble).
 
 torch.distributed.pipelining provides the stages, the p2p exchange and the schedules; this module adds the
 layer split (uniform, or balanced by parameter count) and the mapping from our config words to schedules.
@@ -18,15 +22,28 @@ import copy
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import (
     PipelineStage,
+    ScheduleDualPipeV,
     ScheduleGPipe,
+    ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    OVERLAP_F_B,
+    RECV_F,
+    RESHARD,
+    SEND_F,
+    UNSHARD,
+    _Action,
+    _PipelineSchedule,
+)
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from megascale.parallel.pipeline_overlap import overlap_schedule
 
@@ -88,8 +105,56 @@ def stage_layer_ranges(model: nn.Module, num_stages: int, split: str, *, blocks:
     return split_layers(layer_params, num_stages, first_extra, last_extra)
 
 
-def stage_ids_of(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The stages rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (looped placement)."""
+class _EvaluatedForwardOnly:
+    """A V schedule whose evaluation runs only its forwards. torch 2.13's runtime keeps a V schedule's
+    input-gradient actions in `eval` and fails at the first one, handing a gradient from one of the
+    rank's stages to the other. Its forwards and their transfers alone, in the order the step runs them,
+    are a schedule that cannot wait longer than the step's."""
+
+    pipeline_order_with_comms: dict[int, list[_Action]]
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        forwards = {
+            rank: [
+                part
+                for action in actions
+                for part in (
+                    action.sub_actions or () if action.computation_type == OVERLAP_F_B else (action,)
+                )
+                if part.computation_type in _FORWARD_ONLY
+            ]
+            for rank, actions in self.pipeline_order_with_comms.items()
+        }
+        self._training_order, self._evaluation_order = self.pipeline_order_with_comms, forwards
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        self.pipeline_order_with_comms = self._evaluation_order
+        try:
+            return super().eval(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.pipeline_order_with_comms = self._training_order
+
+
+_FORWARD_ONLY = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
+
+
+class _ZBV(_EvaluatedForwardOnly, ScheduleZBVZeroBubble):
+    pass
+
+
+class _DualPipeV(_EvaluatedForwardOnly, ScheduleDualPipeV):
+    pass
+
+
+V_SCHEDULES = {"zbv": _ZBV, "dualpipev": _DualPipeV}  # config.parallel.V_SCHEDULES
+
+
+def stage_ids_of(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """The stages rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (looped placement), or pp_rank and
+    2 pp - 1 - pp_rank for the V schedules."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + chunk * pp for chunk in range(virtual_stages)]
 
 
@@ -138,6 +203,11 @@ def build_schedule(
         PipelineStage(module, stage_id, num_stages, device, group=group)
         for module, stage_id in zip(stage_modules, stage_ids)
     ]
+    if schedule in V_SCHEDULES:  # on torch's runtime: receives posted early, sends waited on late
+        v_schedule = V_SCHEDULES[schedule](
+            cast(list[_PipelineStageBase], stages), n_microbatches=microbatches, loss_fn=loss_fn
+        )
+        return v_schedule, stages
     if schedule != "gpipe":
         return overlap_schedule(stages, schedule, microbatches, loss_fn, overlap), stages
     if len(stages) != 1:

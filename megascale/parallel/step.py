@@ -237,8 +237,8 @@ class PipelinedModel(ParallelModel):
         # shape inference, which runs the stage once more: the schedule divides the gradients by the
         # micro-batches afterwards, so auxiliary losses weigh 1.
         for stage in self.stages:
-            stage.forward_one_chunk = self._within(stage.forward_one_chunk)  # type: ignore[method-assign]
-            stage.backward_one_chunk = self._within(stage.backward_one_chunk)  # type: ignore[method-assign]
+            for name in _CHUNK_RUNS:
+                setattr(stage, name, self._within(getattr(stage, name)))
 
     @property
     def micro_batches_per_evaluation(self) -> int:
@@ -247,14 +247,9 @@ class PipelinedModel(ParallelModel):
     def time_phases(self, phase: Phase) -> None:
         """Each stage's forward and backward of one chunk becomes a `phase` span."""
         for stage in self.stages:
-            # Wrapped on the instance: torch's schedules call these two per chunk, with no hook around them.
-            chunk = stage.stage_index
-            stage.forward_one_chunk = self._timed(  # type: ignore[method-assign]
-                phase, stage.forward_one_chunk, "forward", chunk
-            )
-            stage.backward_one_chunk = self._timed(  # type: ignore[method-assign]
-                phase, stage.backward_one_chunk, "backward", chunk
-            )
+            # Wrapped on the instance: torch's schedules call these per chunk, with no hook around them.
+            for name, span in _CHUNK_RUNS.items():
+                setattr(stage, name, self._timed(phase, getattr(stage, name), span, stage.stage_index))
 
     def forward_backward(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
         """All micro-batches through the schedule, forward and backward (it scales the gradients by
@@ -299,6 +294,15 @@ class PipelinedModel(ParallelModel):
                 return run_chunk(chunk_id, *args, **kwargs)
 
         return timed
+
+
+# A stage's per-chunk runs, and the timeline span of each: the zero-bubble schedules run a backward as its
+# input gradient ("backward", on the critical path) and later its weight gradient ("backward_weight").
+_CHUNK_RUNS = {
+    "forward_one_chunk": "forward",
+    "backward_one_chunk": "backward",
+    "backward_weight_one_chunk": "backward_weight",
+}
 
 
 def _block_index(name: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megascale.config import JobConfig, ModelConfig
+from megascale.config.parallel import V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class Layout:
     # data-parallel ranks, 2 of its 2 x cp chunks each, attention passing keys and values around their ring.
     cp: int = 1
 
+    # A zero-bubble schedule (ZB-V, DualPipeV: 2 chunks a rank in a V, weight gradients in the bubble)
+    zero_bubble: bool = False
+
     @property
     def devices(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
@@ -109,6 +113,7 @@ class Layout:
 
     def describe(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        chunks = " zb-v" if self.zero_bubble else chunks
         sp = " sp-attention" if self.attention == "sp" else ""
         if self.experts_over_tp:
             experts = f" ep{self.ep}=tp" + (f" x {self.ep // self.tp}" if self.ep > self.tp else "")
@@ -207,6 +212,7 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
         pp=par.pp,
         dp=dp,
         virtual_stages=par.pp_virtual_stages,
+        zero_bubble=par.pp > 1 and par.pp_schedule in V_SCHEDULES,
         micro_batch=cfg.training.micro_batch_size,
         zero_stage=par.zero_stage if dp * par.cp > 1 else 1,
         recompute=par.activation_checkpoint,

@@ -108,7 +108,7 @@ def micro_batches_in_flight(job: Job, layout: Layout) -> float:
     if layout.pp == 1:
         return 1.0
     in_flight = float(layout.pp)
-    if layout.virtual_stages > 1:
+    if layout.virtual_stages > 1 and not layout.zero_bubble:  # a V holds 1F1B's (Qi et al. 2024)
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)
     return min(in_flight, m)
 

@@ -154,7 +154,7 @@ def config_overrides(layout: Layout, rank_order: str, moe: bool = False, rope: b
             "not by megascale's trainer: its context parallelism needs rotary positions "
             "(model.position = 'rope'), as a learned position table is read by contiguous position"
         )
-    schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b"
+    schedule = "zbv" if layout.zero_bubble else "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b"
     zero = f" --parallel.zero_stage={layout.zero_stage}" if layout.fsdp_ranks > 1 else ""
     zero += f" --parallel.cp={layout.cp}" if layout.cp > 1 else ""
     ep = layout.ep // layout.tp if layout.experts_over_tp else layout.ep

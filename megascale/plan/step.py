@@ -7,7 +7,8 @@ A step is the pipeline's work plus what the schedule cannot hide:
            + exposed PP p2p
 
 t_mb is one micro-batch through the slowest stage (forward and backward). The bubble is (pp - 1) micro-
-batch times for 1F1B and (pp - 1)/v for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021).
+batch times for 1F1B, (pp - 1)/v for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021) and
+(pp - 1)/3v for the zero-bubble V schedules (Qi et al. 2024).
 What each overlap of paper §3.2 hides:
 - TP/SP: the all-gather fused into the column-parallel GEMM and the reduce-scatter into the row-parallel
   one (Fig. 3) hide all but the first of TP_OVERLAP_CHUNKS chunks, as far as the GEMMs last; with a serial
@@ -250,7 +251,11 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
 
 
 def _bubble_micro_batches(layout: Layout) -> float:
-    """Idle time of the pipeline's fill and drain, in micro-batch times."""
+    """Idle time of the pipeline's fill and drain, in micro-batch times. A zero-bubble V schedule leaves
+    pp - 1 of the 3 v equal parts of a micro-batch (each chunk's forward, input and weight gradient) idle:
+    torch's ZB-V and DualPipeV orders replayed with unit costs (bench/pipeline_bubble.py, 'counted')."""
+    if layout.zero_bubble:
+        return (layout.pp - 1) / (3 * layout.virtual_stages)
     return (layout.pp - 1) / layout.virtual_stages
 
 

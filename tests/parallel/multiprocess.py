@@ -8,6 +8,7 @@ exception, or a hang past the timeout, fails the calling test; every child is ki
 import gc
 import multiprocessing
 import os
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 
 def _rank_main(fn, rank, world_size, init_file, results, args):
+    _forget_compile_threads()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -33,6 +35,15 @@ def _rank_main(fn, rank, world_size, init_file, results, args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forget_compile_threads() -> None:
+    """A fresh thread pool for torch.compile's C++ builds. Inductor resets its process pool in a forked
+    child but keeps the parent's thread pool, whose threads the child does not have: a build submitted to
+    it waits forever (a compiling row of the parity matrix hung so in the suite)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:

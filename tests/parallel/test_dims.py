@@ -82,6 +82,39 @@ def test_dp_shard_takes_the_rest_of_the_world():
             ["--parallel.pp=2", "--parallel.pp_virtual_stages=4", "--parallel.pp_schedule=interleaved_1f1b"],
             "gives 8 stages, more than model.n_layers = 4",
         ),
+        (2, ["--parallel.pp=2", "--parallel.pp_schedule=zbv"], "must be 2 with parallel.pp_schedule = 'zbv'"),
+        (
+            2,
+            [
+                *["--parallel.pp=2", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=zbv"],
+                "--parallel.overlap.pp=false",
+            ],
+            "parallel.overlap.pp = False cannot be used with parallel.pp_schedule = 'zbv'",
+        ),
+        (
+            2,
+            [
+                *["--parallel.pp=2", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=zbv"],
+                "--training.compile=true",
+            ],
+            "training.compile = True cannot be used with parallel.pp_schedule = 'zbv'",
+        ),
+        (
+            2,
+            [
+                *["--parallel.pp=2", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=zbv"],
+                "--parallel.activation_checkpoint=selective",
+            ],
+            "parallel.activation_checkpoint = 'selective' cannot be used with parallel.pp_schedule = 'zbv'",
+        ),
+        (
+            4,
+            [
+                *["--parallel.pp=2", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=zbv"],
+                "--parallel.zero_stage=3",
+            ],
+            "parallel.zero_stage = 3 cannot be used with parallel.pp_schedule = 'zbv' and data parallelism",
+        ),
         (
             2,
             ["--parallel.tp=2", "--model.attention.qk_norm=true"],
@@ -149,6 +182,17 @@ def test_dp_shard_takes_the_rest_of_the_world():
             "dp_shard / cp)",
         ),
         (3, [], "training.global_batch_size = 8 is not divisible by the data-parallel degree 3"),
+        (
+            2,
+            [
+                "--parallel.pp=2",
+                "--parallel.pp_virtual_stages=2",
+                "--parallel.pp_schedule=dualpipev",
+                "--training.micro_batch_size=4",
+            ],
+            "leaves 2 micro-batches per step; DualPipeV needs at least its 2 x parallel.pp = 4 stages; try "
+            "--training.micro_batch_size=2",
+        ),
         (
             4,
             ["--training.micro_batch_size=4"],

@@ -1,11 +1,13 @@
 """The pipeline's layer split and stage placement (the schedules themselves are tested end to end by the
-parity matrix, tests/parallel/test_parity_matrix.py)."""
+parity matrix, tests/parallel/test_parity_matrix.py, at two ranks; the zero-bubble ones here at four)."""
 
 import pytest
 
+from megascale import config_space
 from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.pipeline import build_stage_module, split_layers, stage_ids_of, stage_layer_ranges
+from tests.parallel.parity_matrix import Matrix
 from tests.parallel.tiny import tiny_model_config
 
 
@@ -40,6 +42,12 @@ def test_every_stage_needs_a_layer():
 def test_looped_placement_of_virtual_stages():
     assert [stage_ids_of(rank, 2, 2) for rank in range(2)] == [[0, 2], [1, 3]]
     assert [stage_ids_of(rank, 4, 1) for rank in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_v_placement_holds_the_first_and_last_stage_on_rank_zero():
+    for schedule in ("zbv", "dualpipev"):
+        assert [stage_ids_of(rank, 2, 2, schedule) for rank in range(2)] == [[0, 3], [1, 2]]
+        assert [stage_ids_of(rank, 4, 2, schedule) for rank in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
 def test_params_split_counts_the_embedding_and_output_layer():
@@ -81,3 +89,22 @@ def test_a_stage_keeps_its_layers_names_and_only_its_end_modules():
         last_stage_modules=sharding.LAST_STAGE,
     )
     assert last.output is not None and last.tok_embeddings is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_zero_bubble_schedule_over_four_ranks_trains_the_model_of_one_process(
+    tiny_corpus, tmp_path, schedule
+):
+    """8 stages in a V over 4 ranks (rank 0 holds stages 0 and 7), 8 micro-batches: every step's loss and
+    gradient norm, the validation loss, and the checkpoint resumed on one process match one process."""
+    row = config_space.default_row() | {
+        "parallel.pp": 4,
+        "parallel.pp_virtual_stages": 2,
+        "parallel.pp_schedule": schedule,
+        "parallel.zero_stage": 2,
+        "training.micro_batch_size": 1,
+    }
+    result = Matrix(tiny_corpus, tmp_path, steps=4).run(0, row)
+    assert result.status == "matched", result.message
+    assert result.loss < 1e-5 and result.resumed < 1e-5

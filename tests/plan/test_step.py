@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
+from megascale.config import load_config
 from megascale.plan.compute import gemm_seconds, keys_per_query
 from megascale.plan.hardware import PROFILES
-from megascale.plan.job import MEGASCALE, MEGATRON, Cluster, Features, Job, Layout
+from megascale.plan.job import MEGASCALE, MEGATRON, Cluster, Features, Job, Layout, layout_from_config
 from megascale.plan.paper import LAYOUT_175B, MODEL_175B, with_ptb_swa
 from megascale.plan.step import estimate_step
 
@@ -30,6 +31,17 @@ def test_the_bubble_is_pp_minus_one_over_v_micro_batch_times():
     one_f_one_b, interleaved = estimate(virtual_stages=1), estimate(virtual_stages=6)
     assert one_f_one_b.terms_s["bubble"] / interleaved.terms_s["bubble"] == pytest.approx(6, rel=0.05)
     assert estimate(pp=1, tp=8, virtual_stages=1, devices=256).terms_s["bubble"] == 0
+
+
+def test_a_zero_bubble_v_schedule_leaves_a_third_of_interleaved_1f1bs_bubble():
+    """pp - 1 of a micro-batch's 3 v equal parts: 3 of 48 unit actions a rank at pp 4, as torch's ZB-V
+    order replayed with unit costs leaves (bench/pipeline_bubble.py)."""
+    interleaved, v_shaped = estimate(virtual_stages=2), estimate(virtual_stages=2, zero_bubble=True)
+    assert interleaved.terms_s["bubble"] / v_shaped.terms_s["bubble"] == pytest.approx(3, rel=0.05)
+    cfg = load_config(
+        None, ["--parallel.pp=4", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=dualpipev"]
+    )
+    assert layout_from_config(cfg, 8).zero_bubble and "zb-v" in layout_from_config(cfg, 8).describe()
 
 
 @pytest.mark.parametrize(
