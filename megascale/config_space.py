@@ -63,6 +63,9 @@ class Knob:
     # A knob whose other values are costly to run (compiling): combinations take them only where a tuple
     # they are built for asks, so that few combinations pay.
     costly: bool = False
+    # A knob whose other values loosen the bound a combination is held to (float8 layers): combinations take
+    # them only where a tuple asks, so that most are held to their compute precision's bound.
+    loosening: bool = False
 
 
 # Layout knobs first: the others' activity depends on them.
@@ -118,7 +121,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("optim.grad_clip", (0.5, None)),
     Knob("training.micro_batch_size", (2, 1, 4)),
     Knob("training.dtype", ("float32", "bfloat16")),
-    Knob("training.fp8", ("none", "tensorwise", "rowwise")),
+    Knob("training.fp8", ("none", "tensorwise", "rowwise"), loosening=True),
     Knob(
         "training.fp8_all_gather",
         (False, True),
@@ -483,7 +486,7 @@ def _fill(target: tuple, rng: random.Random, base: Row | None = None) -> Row:
     row = (
         dict(base)
         if base is not None
-        else {k.key: k.values[0] if k.costly else rng.choice(k.values) for k in KNOBS}
+        else {k.key: k.values[0] if k.costly or k.loosening else rng.choice(k.values) for k in KNOBS}
     )
     if base is None:
         for key in ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp"):
