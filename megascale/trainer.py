@@ -171,9 +171,13 @@ class Trainer(Stateful):
         self._last_nonfinite_step: int | None = None
         torch.manual_seed(training.seed)
         model = Transformer(cfg.model).to(self.device)
+        precision = training.dtype
         if training.fp8 != "none":
             exclude = [name.strip() for name in training.fp8_exclude.split(",") if name.strip()]
-            convert_to_float8(model, training.fp8, all_gather=training.fp8_all_gather, exclude=exclude)
+            converted = convert_to_float8(
+                model, training.fp8, all_gather=training.fp8_all_gather, exclude=exclude
+            )
+            precision += f" with {converted} float8 linear layers ({training.fp8})"
         self.model: ParallelModel = parallelize(
             model,
             dims,
@@ -192,7 +196,7 @@ class Trainer(Stateful):
             f"{num_params(cfg.model):,}",
             self.flops_per_token / 1e6,
             self.device,
-            training.dtype,
+            precision,
             torch.get_num_threads(),
             f"; {dims.describe()}" if dims.world_size > 1 else "",
         )

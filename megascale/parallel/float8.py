@@ -18,8 +18,9 @@ CPU the float8 all-gather moves its bytes as uint8 (`ByteAllGather`); NCCL takes
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ logging.getLogger("torchao").setLevel(logging.CRITICAL)
 def convert_to_float8(model: nn.Module, scaling: str, *, all_gather: bool, exclude: Sequence[str]) -> int:
     """Swap `model`'s linear layers for torchao's float8 ones, in place, but those whose name ends with an
     entry of `exclude`; returns how many were swapped."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    with _quiet_import():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if scaling == "tensorwise":
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
@@ -53,13 +55,26 @@ def convert_to_float8(model: nn.Module, scaling: str, *, all_gather: bool, exclu
     return len(chosen)
 
 
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """torchao's import registers an enum with torch's pytree, which warns that it no longer needs to."""
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        pytree.setLevel(level)
+
+
 def _ends_with(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
 
 
 def float8_layers(model: nn.Module) -> list[str]:
     """The names of `model`'s float8 linear layers."""
-    from torchao.float8.float8_linear import Float8Linear
+    with _quiet_import():
+        from torchao.float8.float8_linear import Float8Linear
 
     return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
 
