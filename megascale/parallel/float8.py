@@ -5,15 +5,16 @@ to float8_e4m3fn (and the output gradient to float8_e5m2 in the backward) with s
 current absolute maxima, and multiplies them with `torch._scaled_mm`, which runs on the CPU build of torch
 as on Hopper GPUs. Two scalings: 'tensorwise' (one scale a tensor; its weights can be all-gathered by FSDP
 in float8, half the bytes of bfloat16) and 'rowwise' (one scale a row, closer to the high-precision
-result). Both compose with DTensor (a sharded weight's maximum is taken over every shard, so tensor- and
-data-parallel layouts scale as one process does) and with FSDP2, which is why torchao is used rather than
-a recipe of our own. Delayed scaling (an amax history) is not offered: torchao removed it after its
-dynamic scaling matched its accuracy. The layers named in `training.fp8_exclude` (by default the output
-layer and the MoE router, whose logits feed a softmax) stay in the compute precision; so do embeddings
-and the MoE experts' grouped weights, which are not linear layers.
+result). Both compose with DTensor (a sharded weight's maximum is taken over every shard, so every layout
+scales a weight as one process does) and with FSDP2, which is why torchao is used rather than a recipe of
+our own. Delayed scaling (an amax history) is not offered: torchao 0.18 scales dynamically only. The
+layers named in `training.fp8_exclude` (by default the output layer and the MoE router, whose logits feed
+a softmax) stay in the compute precision; so do embeddings and the MoE experts' grouped weights, which
+are not linear layers.
 
 Conversion comes before tensor parallelism and FSDP (torchao's order). Gloo has no float8 type, so on
-CPU the float8 all-gather moves its bytes as uint8 (`ByteAllGather`); NCCL takes float8 as it is.
+CPU the float8 all-gather moves its bytes as uint8 (`ByteAllGather`); NCCL takes float8 as it is. The GPU
+path (float8 tensor cores, NCCL's float8 all-gather) has not run: untested.
 """
 
 from __future__ import annotations
