@@ -520,10 +520,11 @@ _PREREQUISITES: dict[str, dict[str, Any]] = {
 }
 _MOE = {"model.moe.experts": 4}  # what every MoE knob but the expert count needs
 # What a value needs besides its knob's prerequisites to be accepted, unless the combination sets it:
-# the zero-bubble schedules' two stages a rank, their overlapped runtime, ZeRO-2 beside data parallelism
-# (parallel/dims.py), and DualPipeV's 2 pp micro-batches.
+# the zero-bubble schedules' two stages a rank, their overlapped runtime, no tensor parallelism, ZeRO-2
+# beside data parallelism (parallel/dims.py), and DualPipeV's 2 pp micro-batches.
 _V_SCHEDULE = {
     "parallel.pp": 2,
+    "parallel.tp": 1,
     "parallel.pp_virtual_stages": 2,
     "parallel.overlap.pp": True,
     "parallel.zero_stage": 2,

@@ -114,7 +114,7 @@ class ParallelConfig:
         "1f1b",
         "Pipeline schedule: 1F1B, interleaved 1F1B (looped stages), GPipe, or a zero-bubble schedule on "
         "V-shaped stages (rank r holds stages r and 2 pp - 1 - r; the weight gradients fill the bubble): "
-        "'zbv' (ZB-V) or 'dualpipev' (DeepSeek's DualPipeV, at least 2 pp micro-batches).",
+        "'zbv' (ZB-V) or 'dualpipev' (DeepSeek's DualPipeV, at least 2 pp micro-batches); neither beside tp.",
         choices=("1f1b", "interleaved_1f1b", "gpipe", *V_SCHEDULES),
     )
     pp_virtual_stages: int = option(

@@ -313,6 +313,15 @@ class ParallelDims:
                 "region allows one backward, and the schedule runs two (input, then weight gradients); "
                 "use 'full' or 'none'",
             )
+        if self.tp > 1:
+            fail(
+                "parallel.pp_schedule",
+                par.pp_schedule,
+                f"cannot be used with parallel.tp = {self.tp}: torch 2.13 runs a stage's deferred weight "
+                "gradients in groups whose order it keys on object identity, so the tp ranks can issue "
+                "the collectives inside them (a sequence-parallel norm's gradient reduction) in different "
+                "orders; use --parallel.pp_schedule=interleaved_1f1b",
+            )
         if par.zero_stage == 3 and self.dp_replicate * self.dp_shard > 1:
             fail(
                 "parallel.zero_stage",
@@ -328,6 +337,14 @@ class ParallelDims:
         training, par = cfg.training, cfg.parallel
         if training.fp8 == "none":
             return
+        if training.compile and self.cp > 1:
+            fail(
+                "training.fp8",
+                training.fp8,
+                f"cannot be used with training.compile at parallel.cp = {self.cp}: on torch 2.13 a compiled "
+                "block with float8 layers and the context-parallel ring fails in its first step "
+                "(AttributeError: 'Tensor' object has no attribute 'wait'); set --training.compile=false",
+            )
         if self.tp > 1 and par.sequence_parallel and par.overlap.tp:
             fail(
                 "training.fp8",

@@ -110,6 +110,15 @@ def test_dp_shard_takes_the_rest_of_the_world():
         (
             4,
             [
+                *["--parallel.pp=2", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=dualpipev"],
+                "--parallel.tp=2",
+                "--parallel.dp_shard=1",
+            ],
+            "parallel.pp_schedule = 'dualpipev' cannot be used with parallel.tp = 2",
+        ),
+        (
+            4,
+            [
                 *["--parallel.pp=2", "--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=zbv"],
                 "--parallel.zero_stage=3",
             ],
@@ -180,6 +189,11 @@ def test_dp_shard_takes_the_rest_of_the_world():
             ["--parallel.cp=2", "--training.global_batch_size=6", "--training.micro_batch_size=1"],
             "training.global_batch_size = 6 is not divisible by the data-parallel degree 4 (dp_replicate x "
             "dp_shard / cp)",
+        ),
+        (
+            2,
+            ["--training.fp8=rowwise", "--parallel.cp=2", "--training.compile=true"],
+            "training.fp8 = 'rowwise' cannot be used with training.compile at parallel.cp = 2",
         ),
         (3, [], "training.global_batch_size = 8 is not divisible by the data-parallel degree 3"),
         (
