@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megascale.config.parallel import V_SCHEDULES
+
 Row = dict[str, Any]  # knob key -> value, every knob present
 
 
@@ -78,11 +80,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.ep", (1, 2), lambda row: _moe(row) and row["parallel.dp_shard"] > 1),
     Knob("parallel.ep_comm_dtype", ("float32", "bfloat16", "float8_e4m3fn"), experts_split),
     Knob("parallel.pp", (1, 2)),
-    Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev"), _pp),
+    Knob("parallel.pp_schedule", ("1f1b", "interleaved_1f1b", "gpipe", *V_SCHEDULES), _pp),
     Knob(
         "parallel.pp_virtual_stages",
         (1, 2),
-        lambda row: _pp(row) and row["parallel.pp_schedule"] in ("interleaved_1f1b", "zbv", "dualpipev"),
+        lambda row: _pp(row) and row["parallel.pp_schedule"] in ("interleaved_1f1b", *V_SCHEDULES),
     ),
     Knob("parallel.pp_split", ("uniform", "params"), _pp),
     Knob("parallel.rank_order", ("tp-dp-pp", "tp-pp-dp"), lambda row: _pp(row) and _dp(row)),

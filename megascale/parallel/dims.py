@@ -322,7 +322,7 @@ class ParallelDims:
                 "the collectives inside them (a sequence-parallel norm's gradient reduction) in different "
                 "orders; use --parallel.pp_schedule=interleaved_1f1b",
             )
-        if par.zero_stage == 3 and self.dp_replicate * self.dp_shard > 1:
+        if par.zero_stage == 3 and self.fsdp_ranks > 1:
             fail(
                 "parallel.zero_stage",
                 3,
