@@ -91,6 +91,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("parallel.zero_stage", (3, 2, 1), _dp),
     Knob("parallel.sequence_parallel", (True, False), _tp),
     Knob("parallel.activation_checkpoint", ("none", "full", "selective")),
+    Knob("parallel.activation_offload", (False, True)),
     Knob("parallel.overlap.dp", (True, False), _dp),
     Knob("parallel.overlap.tp", (True, False), lambda row: _tp(row) and row["parallel.sequence_parallel"]),
     Knob(
@@ -539,6 +540,8 @@ _VALUE_PREREQUISITES: dict[tuple[str, Any], dict[str, Any]] = {
     # float8 layers run beside tensor parallelism without its overlapped GEMMs
     ("training.fp8", "tensorwise"): {"parallel.overlap.tp": False},
     ("training.fp8", "rowwise"): {"parallel.overlap.tp": False},
+    # offload moves nothing that torch's selective checkpoint keeps (megascale/config)
+    ("parallel.activation_offload", True): {"parallel.activation_checkpoint": "none"},
 }
 
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megascale.checkpoint.checkpointer import Checkpointer
@@ -35,8 +34,10 @@ from megascale.data import build_dataloaders
 from megascale.data.dataset import IGNORE_INDEX
 from megascale.errors import ConfigError, MegascaleError, NonFiniteError
 from megascale.gc_control import AlignedGC
+from megascale.malloc import keep_freed_memory
 from megascale.models.flops import flops_per_token, num_params
 from megascale.models.llama import Transformer
+from megascale.models.loss import cross_entropy_sum
 from megascale.observe.experts import expert_slots_by_rank
 from megascale.observe.instruments import Instruments, StepMetrics, format_record
 from megascale.observe.metrics import MetricsWriter
@@ -64,9 +65,7 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     to IGNORE_INDEX (validation's padding) add nothing but count in the division, so the result times the
     number of labels is the sum over the real tokens however a batch is padded; without padding it is the
     mean."""
-    loss_sum = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-    )
+    loss_sum = cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
     return loss_sum / labels.numel()
 
 
@@ -131,6 +130,8 @@ class Trainer(Stateful):
         if training.threads is not None:
             torch.set_num_threads(training.threads)
         self.device = pick_device(training.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         join_job(self.device, dims, cfg.parallel)
         self.checkpointer = Checkpointer(
             self.checkpoint_root,

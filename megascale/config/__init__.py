@@ -104,6 +104,14 @@ class JobConfig:
                 f"needs training.fp8 = 'tensorwise' (one scale a tensor, which FSDP can gather with it), not "
                 f"{t.fp8!r}",
             )
+        if self.parallel.activation_offload and self.parallel.activation_checkpoint == "selective":
+            fail(
+                "parallel.activation_offload",
+                True,
+                "cannot be used with parallel.activation_checkpoint = 'selective': torch's selective "
+                "checkpoint holds the matmul outputs it keeps outside the saved-tensor hooks, so nothing but "
+                "each block's input would leave the device; use 'full' or 'none'",
+            )
         scaling = a.rope_scaling
         if scaling.type in ("yarn", "llama3") and scaling.original_max_seq_len is None:
             fail(

@@ -135,6 +135,12 @@ class ParallelConfig:
         "and recompute only the cheap element-wise work: norms, activations, RoPE ('selective').",
         choices=("none", "full", "selective"),
     )
+    activation_offload: bool = option(
+        False,
+        "Move what each block keeps for its backward off the device during the forward and fetch it back, "
+        "one block ahead, in the backward: to pinned host memory on an accelerator, to a spill file in "
+        "$TMPDIR on CPU. With activation_checkpoint = 'full' it offloads the one input each block keeps.",
+    )
     rank_order: str = option(
         "tp-dp-pp",
         "How ranks are numbered, innermost dimension first (consecutive ranks share a node): 'tp-dp-pp' "

@@ -22,12 +22,13 @@ from megascale.config import ModelConfig, head_dim_of
 from megascale.models.attention import WholeSequenceAttention
 from megascale.models.feed_forward import FeedForward
 from megascale.models.moe import MoE
+from megascale.models.norm import RMSNorm
 from megascale.models.rope import apply_rope, rope_tables
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        return RMSNorm(cfg.dim, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
 
 
@@ -42,8 +43,8 @@ class Attention(nn.Module):
         self.window = cfg.attention.window
         self.core: WholeSequenceAttention = WholeSequenceAttention()  # what attends (context parallelism)
         # Qwen3's QK-norm: each head's queries and keys normalised (one gain over head_dim) before RoPE.
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.attention.qk_norm else None
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)

@@ -19,18 +19,38 @@ from pathlib import Path
 import torch
 
 # Dense peak TFLOP/s by (device-name substring, dtype). Sources: NVIDIA A100 datasheet (bf16 312, tf32 156),
-# H100 SXM5 datasheet (bf16 989, tf32 494), H800 SXM (same tensor cores as H100 SXM), H200 datasheet (989).
-# The float32 rows are the TF32 peaks; megascale leaves TF32 off (torch's default), so a float32 run's
-# MFU on these GPUs reads low.
+# H100 SXM5 datasheet (bf16 989, tf32 494, fp8 1979), H800 SXM (same tensor cores as H100 SXM), H200
+# datasheet (989, fp8 1979), HGX B200 at 1,000 W (bf16 2250, tf32 1100, fp8 4500: half of the sparse figures
+# NVIDIA's Blackwell datasheet lists), GB200 NVL72's B200 at 1,200 W (2500, 1250, 5000), V100 SXM2 datasheet
+# (fp16 tensor cores 125, fp32 15.7; no bf16). The float32 rows are the TF32 peaks where a device has TF32;
+# megascale leaves TF32 off (torch's default), so a float32 run's MFU on these GPUs reads low.
 PEAK_TFLOPS: dict[tuple[str, str], float] = {
+    # A name is matched by substring in this order: GB200 before B200.
     ("A100", "bfloat16"): 312.0,
+    ("A100", "float16"): 312.0,
     ("A100", "float32"): 156.0,
     ("H100", "bfloat16"): 989.0,
+    ("H100", "float16"): 989.0,
     ("H100", "float32"): 494.0,
+    ("H100", "float8"): 1979.0,
     ("H800", "bfloat16"): 989.0,
+    ("H800", "float16"): 989.0,
     ("H800", "float32"): 494.0,
+    ("H800", "float8"): 1979.0,
     ("H200", "bfloat16"): 989.0,
+    ("H200", "float16"): 989.0,
     ("H200", "float32"): 494.0,
+    ("H200", "float8"): 1979.0,
+    ("GB200", "bfloat16"): 2500.0,
+    ("GB200", "float16"): 2500.0,
+    ("GB200", "float32"): 1250.0,
+    ("GB200", "float8"): 5000.0,
+    ("B200", "bfloat16"): 2250.0,
+    ("B200", "float16"): 2250.0,
+    ("B200", "float32"): 1100.0,
+    ("B200", "float8"): 4500.0,
+    ("V100", "float16"): 125.0,
+    ("V100", "float32"): 15.7,
 }
 
 

@@ -254,6 +254,7 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+@torch.compiler.disable  # its sends and receives, traced, become tensors without a wait (torch 2.13)
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

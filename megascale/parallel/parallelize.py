@@ -25,6 +25,7 @@ from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.expert import apply_expert_parallel
 from megascale.parallel.float8 import gather_float8_as_bytes
+from megascale.parallel.offload import ActivationOffload, apply_activation_offload
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
 from megascale.parallel.step import ParallelModel, PipelinedModel
 from megascale.parallel.tensor import apply_tensor_parallel
@@ -57,8 +58,9 @@ def parallelize(
     )
     reductions = GradientReductions() if async_reductions else None
     routed = any(isinstance(module, MoE) for module in model.modules())  # before a stage drops layers
+    offload = ActivationOffload(device) if par.activation_offload else None  # one for all stages
     if dims.pp == 1:
-        _shard(model, dims, par, compile_blocks, reductions, float8_all_gather)
+        _shard(model, dims, par, compile_blocks, reductions, float8_all_gather, offload)
         return ParallelModel(
             [model],
             device=device,
@@ -75,7 +77,7 @@ def parallelize(
     stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages, par.pp_schedule)
     parts = _stages(model, stage_ids, num_stages, par)
     for part in parts:
-        _shard(part, dims, par, compile_blocks, reductions, float8_all_gather)
+        _shard(part, dims, par, compile_blocks, reductions, float8_all_gather, offload)
     group = dims.sub_mesh("pp").get_group()
     schedule = partial(
         build_schedule,
@@ -139,10 +141,11 @@ def _shard(
     compile_blocks: bool,
     reductions: GradientReductions | None,
     float8_all_gather: bool = False,
+    offload: ActivationOffload | None = None,
 ) -> None:
     """One model part, in place: tensor + sequence parallelism, context parallelism's ring attention,
-    activation checkpointing, per-block compilation, expert parallelism, FSDP (its float8 weights
-    gathered as bytes where the backend has no float8 type)."""
+    activation checkpointing, per-block compilation, activation offload, expert parallelism, FSDP (its
+    float8 weights gathered as bytes where the backend has no float8 type)."""
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
@@ -162,6 +165,8 @@ def _shard(
     if compile_blocks:
         for block in part.get_submodule(sharding.BLOCKS).children():
             block.compile()
+    if offload is not None:
+        apply_activation_offload(part, blocks=sharding.BLOCKS, offload=offload)
     alone: set[nn.Parameter] = set()
     if dims.expert_ranks > 1:
         alone = apply_expert_parallel(

@@ -17,7 +17,7 @@ from megascale.errors import ConfigError
 
 # Kept here (not imported from hardware.py) so that building the CLI's parser does not import torch; a test
 # checks they match the profiles table.
-HARDWARE = ("a100", "h100", "h800", "h200", "cpu")
+HARDWARE = ("v100", "a100", "h100", "h800", "h200", "b200", "gb200", "cpu")
 SYSTEM_NAMES = ("megascale", "megatron-lm", "trainer")
 
 
@@ -45,17 +45,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="Global batch in sequences (default: the config's).")
     parser.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
-        help="Compute precision, whose peak MFU divides by (default: bfloat16 on GPUs, whatever a config "
-        "sets; the config's training.dtype on --hardware cpu).",
+        choices=("bfloat16", "float16", "float32"),
+        help="Compute precision, whose peak MFU divides by (default: bfloat16 on GPUs, float16 on V100, "
+        "whatever a config sets; the config's training.dtype on --hardware cpu).",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="The blocks' linear layers in float8 at the profile's float8 peak (default: what the config's "
+        "training.fp8 says); the rest, and the MFU's peak, stay in --dtype.",
     )
     parser.add_argument(
         "--nic-gbps",
         type=float,
-        help="NIC rate per GPU in Gb/s, one direction (default: the profile's: 200 on A100, 400 on H-class).",
+        help="NIC rate per GPU in Gb/s, one direction (default: the profile's: 50 on V100, 200 on A100, 400 "
+        "on H- and B-class).",
     )
     parser.add_argument(
-        "--gpus-per-node", type=int, help="GPUs per node sharing NVLink (default: the profile's, 8)."
+        "--gpus-per-node",
+        type=int,
+        help="GPUs per node sharing NVLink (default: the profile's: 8; 16 on V100 (DGX-2), 72 on GB200).",
     )
     parser.add_argument(
         "--straggler-hosts",

@@ -106,8 +106,8 @@ def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile)
     sequence-parallel attention ("sp") whole on each rank's share of the sequence."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     if layout.attention == "sp":
-        return _gemms_seconds(attention_shapes(job.model, 1), tokens / layout.tp, profile, job.dtype)
-    return _gemms_seconds(attention_shapes(job.model, layout.tp), tokens, profile, job.dtype)
+        return _gemms_seconds(attention_shapes(job.model, 1), tokens / layout.tp, profile, job.linear_dtype)
+    return _gemms_seconds(attention_shapes(job.model, layout.tp), tokens, profile, job.linear_dtype)
 
 
 def block_time(
@@ -122,7 +122,7 @@ def block_time(
     a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`). The attention runs in
     FlashAttention-2 with `fused_kernels`, else in `attention_kernel`: FlashAttention-1 ("flash") or
     over materialised scores ("materialized")."""
-    model, dtype = job.model, job.dtype
+    model, dtype = job.model, job.linear_dtype
     tokens = layout.micro_batch * layout.local_seq_len(job)
     gemm_s = attention_linear_seconds(job, layout, profile)
     if moe is not None:
@@ -140,6 +140,8 @@ def block_time(
     )
     if moe is not None:
         elementwise_s += moe.other_ops_s
+    if job.fp8:
+        elementwise_s += float8_cast_seconds(job, layout, profile, moe is not None)
     host_s = profile.layer_overhead_s
     if layout.tp > 1:
         activations = tokens * model.dim * job.precision.activation_bytes
@@ -155,6 +157,21 @@ def block_time(
         recompute_s = sum(gemm_seconds(2 * tokens * n_in * n_out, profile, dtype) for n_in, n_out in shapes)
         recompute_s += elementwise_s / 3
     return BlockTime(gemm_s, attention_fwd_s + attention_bwd_s, elementwise_s, host_s, recompute_s)
+
+
+# Bytes of memory traffic per element a float8 linear layer casts, forward (its input) and backward (its
+# output gradient): the amax pass reads the 2-byte element, the cast reads it again and writes 1 byte.
+FLOAT8_CAST_BYTES = 2 + 2 + 1
+
+
+def float8_cast_seconds(job: Job, layout: Layout, profile: HardwareProfile, moe: bool) -> float:
+    """What casting to float8 adds to one block and micro-batch: every linear layer's input in the forward
+    and its output gradient in the backward, once each (the weights' casts are per layer, not per token,
+    and small), as memory traffic; an MoE layer's experts are not float8 (torchao converts nn.Linear)."""
+    tokens = layout.micro_batch * layout.local_seq_len(job)
+    shapes = attention_shapes(job.model, layout.tp) + ([] if moe else mlp_shapes(job.model, layout.tp))
+    elements = tokens * sum(n_in + n_out for n_in, n_out in shapes)
+    return elements * FLOAT8_CAST_BYTES / profile.hbm_bytes_per_s
 
 
 def keys_per_query(seq_len: int, window: int | None) -> float:

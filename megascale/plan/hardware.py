@@ -74,8 +74,10 @@ class HardwareProfile:
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:
+            asked = "--fp8 or training.fp8" if dtype == "float8" else "--dtype"
             raise ConfigError(
-                f"plan: --dtype {dtype!r} has no peak for {self.name} (known: {', '.join(self.peak_tflops)})"
+                f"plan: {self.name} has no {dtype} peak (asked by {asked}; known: "
+                f"{', '.join(self.peak_tflops)}); choose another --hardware or precision"
             )
         return self.peak_tflops[dtype] * 1e12
 
@@ -138,7 +140,23 @@ _HOPPER_CONSTANTS: dict[str, Any] = {
     "attention_half_flops": 1.7e11,
 }
 
+# Blackwell has no measurement of its own here: the Hopper figures stand in for its attention kernel.
+_BLACKWELL_CONSTANTS = _HOPPER_CONSTANTS
+
 PROFILES: dict[str, HardwareProfile] = {
+    # NVIDIA Tesla V100 datasheet (SXM2 32GB): fp16 tensor cores 125 TFLOPS, fp32 15.7, HBM2 900 GB/s,
+    # NVLink 300 GB/s (both directions); no bf16, so plans default to float16. Node: DGX-2H (Megatron-LM's
+    # 2019 runs): 16 GPUs on NVSwitch, 8 x 100 Gb/s InfiniBand EDR for the 16 (50 Gb/s per GPU).
+    "v100": HardwareProfile(
+        name="V100-SXM2-32GB",
+        peak_tflops=_peaks("V100"),
+        hbm_bytes=32 * GB,
+        hbm_bytes_per_s=900 * GB,
+        intra_node_bytes_per_s=150 * GB,
+        inter_node_bytes_per_s=6.25 * GB,
+        source="NVIDIA V100 datasheet; DGX-2H (16 GPUs, 8 x 100 Gb/s EDR)",
+        **{**_GPU_CONSTANTS, "devices_per_node": 16},
+    ),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): bf16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink
     # 600 GB/s (both directions); https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
     # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf. NIC: 200 Gb/s per GPU, as in the paper (§3.6).
@@ -188,5 +206,31 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bytes_per_s=50 * GB,
         source="NVIDIA H200 datasheet; DGX H200 (400 Gb/s NIC per GPU)",
         **_HOPPER_CONSTANTS,
+    ),
+    # NVIDIA HGX B200 (1,000 W): bf16 2.25 PFLOPS dense (the datasheet's 4.5 is with 2:4 sparsity), fp8
+    # 4.5, 180 GB HBM3e at 7.7 TB/s (1.44 TB and 62 TB/s for 8 GPUs), NVLink 5 at 1.8 TB/s (both
+    # directions); https://www.nvidia.com/en-us/data-center/hgx/. NIC: ConnectX-7 400 Gb/s per GPU (DGX B200).
+    "b200": HardwareProfile(
+        name="B200-SXM-180GB",
+        peak_tflops=_peaks("B200"),
+        hbm_bytes=180 * GB,
+        hbm_bytes_per_s=7700 * GB,
+        intra_node_bytes_per_s=900 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        source="NVIDIA HGX B200 datasheet; DGX B200 (400 Gb/s NIC per GPU)",
+        **_BLACKWELL_CONSTANTS,
+    ),
+    # NVIDIA GB200 NVL72 (B200 at 1,200 W): bf16 2.5 PFLOPS dense, fp8 5, 186 GB HBM3e at 8 TB/s (13.4 TB
+    # and 576 TB/s for 72 GPUs), NVLink 5 at 1.8 TB/s across all 72 GPUs of a rack, which is one NVLink
+    # domain (a "node" here); https://www.nvidia.com/en-us/data-center/gb200-nvl72/. NIC: 400 Gb/s per GPU.
+    "gb200": HardwareProfile(
+        name="GB200-NVL72",
+        peak_tflops=_peaks("GB200"),
+        hbm_bytes=186 * GB,
+        hbm_bytes_per_s=8000 * GB,
+        intra_node_bytes_per_s=900 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        source="NVIDIA GB200 NVL72 datasheet (72 GPUs in one NVLink domain); 400 Gb/s NIC per GPU",
+        **{**_BLACKWELL_CONSTANTS, "devices_per_node": 72, "nodes_per_pod": 16},
     ),
 }

@@ -38,6 +38,15 @@ class Job:
     global_batch: int
     dtype: str = "bfloat16"
     precision: Precision = MIXED_BF16
+    # The blocks' linear layers in float8 (torchao's float8 training, megascale's training.fp8): their GEMMs
+    # at the float8 peak, plus casting their inputs and output gradients; attention, the output layer and
+    # the MFU's peak stay in `dtype`.
+    fp8: bool = False
+
+    @property
+    def linear_dtype(self) -> str:
+        """The precision the blocks' linear layers run in."""
+        return "float8" if self.fp8 else self.dtype
 
     @property
     def tokens_per_step(self) -> int:
@@ -87,6 +96,9 @@ class Layout:
 
     # A zero-bubble schedule (ZB-V, DualPipeV: 2 chunks a rank in a V, weight gradients in the bubble)
     zero_bubble: bool = False
+    # Activation offload (megascale's parallel.activation_offload): every block but each chunk's last moves
+    # what it keeps off the device until its backward, which fetches it back one block ahead.
+    offload: bool = False
 
     @property
     def devices(self) -> int:
@@ -122,7 +134,7 @@ class Layout:
         context = f" cp{self.cp}" if self.cp > 1 else ""
         return (
             f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{context}{experts} mb{self.micro_batch} "
-            f"zero{self.zero_stage} recompute={self.recompute}"
+            f"zero{self.zero_stage} recompute={self.recompute}" + (" offload" if self.offload else "")
         )
 
 
@@ -162,6 +174,9 @@ class Features:
     # scatter/gather); megascale's trainer sends the whole tensor from each.
     pp_scatter_gather: bool = True
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
+    # How a dense block's activations are counted: Korthikanti et al.'s 34 sbh (Megatron-LM's fused
+    # kernels, `megascale.plan.memory`), or tensor by tensor as megascale's own model saves them.
+    own_blocks: bool = False
 
     @property
     def host_stall_s(self) -> float:
@@ -188,7 +203,11 @@ MEGASCALE = Features(
 # megascale's own trainer: FSDP2 synchronises every micro-batch; no overlap is modelled (on CPU, gloo
 # collectives and compute share the same cores).
 MEGASCALE_TRAINER = Features(
-    dp_sync_per_micro_batch=True, moe_tp=("whole", "ep"), moe_attention="tp", pp_scatter_gather=False
+    dp_sync_per_micro_batch=True,
+    moe_tp=("whole", "ep"),
+    moe_attention="tp",
+    pp_scatter_gather=False,
+    own_blocks=True,
 )
 
 
@@ -216,6 +235,7 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
         micro_batch=cfg.training.micro_batch_size,
         zero_stage=par.zero_stage if dp * par.cp > 1 else 1,
         recompute=par.activation_checkpoint,
+        offload=par.activation_offload,
         sequence_parallel=par.sequence_parallel,
         ep=par.ep * (par.tp if over_tp else 1),
         moe_tp="ep" if over_tp else "whole",
@@ -225,4 +245,12 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
 
 def job_from_config(cfg: JobConfig) -> Job:
     """The step a megascale config trains: its model, sequence, global batch and precision."""
-    return Job(cfg.model, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.dtype, FP32_WEIGHTS)
+    training = cfg.training
+    return Job(
+        cfg.model,
+        cfg.data.seq_len,
+        training.global_batch_size,
+        training.dtype,
+        FP32_WEIGHTS,
+        fp8=training.fp8 != "none",
+    )

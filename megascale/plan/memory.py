@@ -12,13 +12,19 @@ kernel's output and the outputs of every other matmul (`megascale.plan.compute`)
 holds the most micro-batches in flight: pp of them under 1F1B, pp * (1 + (pp - 1)/(pp * v)) interleaved.
 Context parallelism divides s by cp (each rank keeps its own positions' activations) and adds the ring's
 messages in flight (`megascale.plan.context`); the weights' data-parallel group is dp x cp ranks.
+megascale's own trainer is counted tensor by tensor as its model saves them (`trainer_block_bytes`), and
+activation offload leaves a device only the blocks `offload_held_blocks` names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from megascale.config import head_dim_of
+from megascale.models.attention import attends_in_float32
+from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.flops import attention_params, matmul_params_per_layer
 from megascale.plan.compute import linear_shapes
 from megascale.plan.context import ring_buffer_bytes
@@ -102,6 +108,44 @@ def activation_bytes_per_block(
     return dense * 15 / 34 + moe_activation_bytes(job, layout) if moe else dense
 
 
+def trainer_block_bytes(job: Job, layout: Layout, on_cpu: bool = False) -> float:
+    """What one dense block of megascale's own model keeps for its backward, per micro-batch, on one
+    device, tensor by tensor as its operators save them (`tests/plan/test_memory.py` counts them on the
+    model itself): the residual stream and the norms in float32 (the weights are float32, autocast keeps
+    norms in float32), each norm's input and statistics; each linear layer's input, cast to bfloat16 once
+    per layer under autocast (its cache holds only the weights' casts, which the graph keeps too);
+    queries, keys, values, the attention's output and its log-sum-exp, in float32 where the attention runs
+    so (`on_cpu`: `megascale.models.attention.attends_in_float32`), with the output's bfloat16 cast for the
+    output projection; SwiGLU's four ffn-wide tensors or GeLU's two. Under tensor parallelism the heads
+    and the ffn width split over the tp ranks, the norms too with sequence parallelism; the linear
+    layers' inputs are whole sequences. Selective recomputation is counted as `activation_bytes_per_block`
+    counts it."""
+    model, t = job.model, layout.tp
+    if layout.recompute in ("selective", "op"):
+        return activation_bytes_per_block(job, layout)
+    tokens = layout.micro_batch * layout.local_seq_len(job)
+    split_norms = t if layout.sequence_parallel else 1
+    if layout.recompute == "full":
+        return tokens * 4 * model.dim / split_norms  # the block's input
+    cast = job.dtype == "bfloat16"  # autocast over float32 weights
+    a = 2 if cast else 4
+    hd, f = head_dim_of(model), ffn_dim_of(model)
+    attention = (
+        4 if cast and attends_in_float32("cpu" if on_cpu else "cuda", torch.bfloat16, hd, job.seq_len) else a
+    )
+    q, kv = model.attention.n_heads * hd, model.attention.n_kv_heads * hd
+    norm = 4 * model.dim + (4 if model.norm == "rmsnorm" else 8)  # input; rstd (and mean)
+    norms = 1 if model.block == "parallel" else 2
+    swiglu = model.mlp == "swiglu"
+    linear_inputs = (3 if cast else 1) + (2 if cast and swiglu else 1)
+    per_token = norms * norm / split_norms + linear_inputs * a * model.dim
+    per_token += attention * (2 * q + 2 * kv) / t + 4 * model.attention.n_heads / t
+    per_token += (a * q if attention != a else 0) / t  # the output, cast back for the projection
+    per_token += (4 if swiglu else 2) * a * f / t
+    weight_casts = 2 * matmul_params_per_layer(model) / t if cast else 0.0
+    return tokens * per_token + weight_casts
+
+
 def micro_batches_in_flight(job: Job, layout: Layout) -> float:
     """Micro-batches whose activations the first stage holds at once."""
     m = layout.micro_batches(job)
@@ -113,9 +157,16 @@ def micro_batches_in_flight(job: Job, layout: Layout) -> float:
     return min(in_flight, m)
 
 
-def memory_per_device(job: Job, layout: Layout, materialized_scores: bool = False) -> Memory:
+def memory_per_device(
+    job: Job,
+    layout: Layout,
+    materialized_scores: bool = False,
+    own_blocks: bool = False,
+    on_cpu: bool = False,
+) -> Memory:
     """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
-    kernel)."""
+    kernel; `own_blocks`: dense blocks counted as megascale's model saves them, `trainer_block_bytes`;
+    `on_cpu`: a CPU, where the model picks its own kernels and offload fetches nothing ahead)."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -126,9 +177,27 @@ def memory_per_device(job: Job, layout: Layout, materialized_scores: bool = Fals
     optimizer = held(precision.optimizer_bytes, 1)
     blocks = job.model.n_layers / layout.pp
     moe_blocks = min(blocks, moe_layers(job.model))
-    activations = (blocks - moe_blocks) * activation_bytes_per_block(job, layout, False, materialized_scores)
-    activations += moe_blocks * activation_bytes_per_block(job, layout, True, materialized_scores)
-    activations *= micro_batches_in_flight(job, layout)
+    if own_blocks:
+        dense = trainer_block_bytes(job, layout, on_cpu)
+    else:
+        dense = activation_bytes_per_block(job, layout, False, materialized_scores)
+    per_micro_batch = (blocks - moe_blocks) * dense
+    per_micro_batch += moe_blocks * activation_bytes_per_block(job, layout, True, materialized_scores)
+    in_flight = micro_batches_in_flight(job, layout)
+    activations = per_micro_batch * in_flight
+    if layout.offload:
+        held_blocks = offload_held_blocks(layout, blocks, in_flight, fetch_ahead=not on_cpu)
+        activations = per_micro_batch / blocks * held_blocks
     tokens = layout.micro_batch * layout.local_seq_len(job)
     logits = 2 * 4 * tokens * job.model.vocab_size / layout.tp  # fp32, and its grad
     return Memory(weights, grads, optimizer, activations + logits + ring_buffer_bytes(job, layout))
+
+
+def offload_held_blocks(layout: Layout, blocks: float, in_flight: float, fetch_ahead: bool) -> float:
+    """Blocks' worth of activations a device holds at its peak under activation offload
+    (`megascale.parallel.offload`): the last block of each of its chunks keeps its own, for each
+    micro-batch in flight, and a block's forward or backward holds that block's; on an accelerator the
+    backward also holds the block fetched ahead of the one it is in."""
+    kept = in_flight * layout.virtual_stages
+    ahead = 1 if fetch_ahead and blocks > 2 * layout.virtual_stages else 0
+    return min(blocks * in_flight, kept + ahead)

@@ -39,11 +39,12 @@ GROUPS = {
 }
 EXPLAIN = {
     "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
-    "6 x tokens x weights FLOPs, each GEMM at the efficiency its size earns",
+    "6 x tokens x weights FLOPs, each GEMM at the efficiency its size earns (at the float8 peak with --fp8)",
     "attention": "score matmuls: FlashAttention-2 with fused kernels, else FlashAttention-1 at half its "
     "speed or materialised scores (their memory traffic counted)",
     "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
-    "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs",
+    "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs; with --fp8, the "
+    "casts of each linear layer's input and output gradient",
     "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
     "recompute": "the forward again: all of it under full activation checkpointing, part under selective",
     "output_layer": "vocabulary projection on the last stage (and host time outside the blocks)",
@@ -52,7 +53,8 @@ EXPLAIN = {
     "ep_exposed": "expert-parallel dispatch and combine all-to-alls not hidden behind the experts' GEMMs",
     "cp_exposed": "context parallelism's ring: keys, values and their gradients sent to the next rank, "
     "what outlasts each ring step's attention blocks (all of it without CP overlap)",
-    "pp_exposed": "blocking pipeline sends/receives (none with PP overlap)",
+    "pp_exposed": "pipeline sends/receives on the critical path: all of them when blocking; with PP overlap "
+    "2 (pv - 1)/pv transfers a micro-batch, what the 1F1B loop through the pv chunks keeps exposed",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
     "stragglers": "expected wait for the slowest host (--straggler-hosts, --straggler-slowdown)",
     "core_sharing": "too few CPU cores: all processes' core time over the cores, past the critical path",
@@ -70,7 +72,11 @@ def plan_and_render(args) -> str:
     job = _job(cfg, args.batch, system)
     on_gpu = args.hardware != "cpu"
     dtype = args.dtype or ("bfloat16" if on_gpu and cfg.training.dtype == "float32" else cfg.training.dtype)
-    job = dataclasses.replace(job, dtype=dtype)
+    if on_gpu and not args.dtype and dtype not in profile.peak_tflops:  # V100: no bfloat16
+        dtype = "float16"
+    job = dataclasses.replace(job, dtype=dtype, fp8=job.fp8 or getattr(args, "fp8", False))
+    if job.fp8:
+        profile.peak_flops("float8")  # a clear error where the device has no float8 peak
     cluster = Cluster(args.devices, args.straggler_hosts, args.straggler_slowdown)
     features = SYSTEMS[system]
     if args.config_layout:
@@ -104,8 +110,10 @@ def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: st
         if cluster.straggler_host_fraction
         else "none"
     )
+    float8 = f" (linear layers float8 at {profile.peak_flops('float8') / 1e12:.4g})" if job.fp8 else ""
     return (
-        f"assumed: {job.dtype} at {profile.peak_flops(job.dtype) / 1e12:.4g} TFLOP/s peak per device; "
+        f"assumed: {job.dtype} at {profile.peak_flops(job.dtype) / 1e12:.4g} TFLOP/s peak per device"
+        f"{float8}; "
         f"{profile.devices_per_node} per node, intra-node {profile.intra_node_bytes_per_s / 1e9:.4g} GB/s "
         f"and "
         f"NIC {profile.inter_node_bytes_per_s * 8 / 1e9:.4g} Gb/s per device at "
@@ -165,6 +173,7 @@ def config_overrides(layout: Layout, rank_order: str, moe: bool = False, rope: b
         f"--parallel.pp_virtual_stages={layout.virtual_stages} "
         f"--parallel.pp_schedule={schedule} --training.micro_batch_size={layout.micro_batch}{zero} "
         f"--parallel.activation_checkpoint={layout.recompute} --parallel.rank_order={rank_order}"
+        + (" --parallel.activation_offload=true" if layout.offload else "")
     )
 
 

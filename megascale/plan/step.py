@@ -109,7 +109,9 @@ def estimate_step(
     )
     cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # every block's attention
     output_s = output_layer_seconds(job, layout, profile)
-    pp_exposed_s = 0.0 if features.pp_overlap else _pp_seconds(job, layout, profile, features)
+    pp_exposed_s = _pp_seconds(job, layout, profile, features)
+    if features.pp_overlap:
+        pp_exposed_s *= _pp_loop_share(layout)
     compute_s = per_micro_batch(lambda block, moe: block.total_s)
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s + pp_exposed_s
     bubble = _bubble_micro_batches(layout)
@@ -139,7 +141,7 @@ def estimate_step(
     tokens_per_s = job.tokens_per_step / step_s
     peak = cluster.devices * profile.peak_flops(job.dtype)
     materialized = not features.fused_kernels and features.attention_kernel == "materialized"
-    memory = memory_per_device(job, layout, materialized)
+    memory = memory_per_device(job, layout, materialized, features.own_blocks, on_cpu=profile.host_cores > 0)
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m
     )
@@ -248,6 +250,18 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
     payload = tokens * job.model.dim * job.precision.activation_bytes / shard
     cross = group_spans_nodes(layout.tp * layout.fsdp_ranks, layout.pp, profile.devices_per_node)
     return 2 * layout.virtual_stages * send_seconds(payload, profile, cross)
+
+
+def _pp_loop_share(layout: Layout) -> float:
+    """The share of a micro-batch's pipeline transfers that stays on the critical path when sends and
+    receives are asynchronous (megascale's overlap.pp, MegaScale §3.2): a stage works on other micro-batches
+    while one travels, but 1F1B keeps only about one micro-batch per model chunk in flight, and a
+    micro-batch's forward through the pv chunks and its backward back form a loop of pv computations and
+    2 (pv - 1) transfers which those pv micro-batches go round. Each micro-batch's turn therefore takes its
+    compute plus 2 (pv - 1) / pv transfers: of the 2 v transfers `_pp_seconds` counts per micro-batch (one
+    a chunk, each way), that share. Zero-bubble schedules are counted alike."""
+    chunks = layout.pp * layout.virtual_stages
+    return (chunks - 1) / chunks / layout.virtual_stages
 
 
 def _bubble_micro_batches(layout: Layout) -> float:

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.attention import causal_attention, sliding_window_attention
@@ -135,3 +136,22 @@ def test_window_at_least_seq_is_full_causal_in_the_model():
         torch.manual_seed(0)
         logits[window] = Transformer(cfg)(tokens)
     assert torch.equal(logits[None], logits[40]) and torch.equal(logits[None], logits[1000])
+
+
+def test_bfloat16_cpu_attention_of_short_heads_runs_in_float32():
+    """Short heads over short sequences (the default model's 32 over 256) attend in float32 on CPU, where
+    torch's bfloat16 flash kernel is slower; autocast does not cast the inputs back. Longer heads keep it."""
+    generator = torch.Generator().manual_seed(0)
+    for head_dim, in_float32 in ((32, True), (64, False)):
+        q = torch.randn(2, 4, 64, head_dim, generator=generator).bfloat16()
+        k, v = (torch.randn(2, 2, 64, head_dim, generator=generator).bfloat16() for _ in range(2))
+        inputs = (q.float(), k.float(), v.float()) if in_float32 else (q, k, v)
+        expected = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True).bfloat16()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = causal_attention(q, k, v, None)
+        plain = causal_attention(q, k, v, None)
+        assert under_autocast.dtype == plain.dtype == torch.bfloat16
+        torch.testing.assert_close(under_autocast, expected, rtol=0, atol=0)
+        torch.testing.assert_close(plain, expected, rtol=0, atol=0)
+        reference = reference_attention(q.double(), k.double(), v.double(), None)
+        torch.testing.assert_close(plain.double(), reference, rtol=2e-2, atol=2e-2)

@@ -110,8 +110,11 @@ TOLERANCES = {
 
 def layers(row: Row) -> int:
     """The model's depth for `row`: 2 layers, the least every layout needs, or one a pipeline stage when
-    there are more stages (tensor parallelism's collectives, per layer, are most of a row's time)."""
-    return max(2, row["parallel.pp"] * row["parallel.pp_virtual_stages"])
+    there are more stages (tensor parallelism's collectives, per layer, are most of a row's time); with
+    activation offload one more, so that a stage holds a block that offloads (the last one keeps its
+    tensors) and one ahead of it fetched."""
+    stages = row["parallel.pp"] * row["parallel.pp_virtual_stages"]
+    return max(3, stages + 1) if row["parallel.activation_offload"] else max(2, stages)
 
 
 def arguments(row: Row, depth: int | None = None) -> list[str]:

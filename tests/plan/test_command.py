@@ -141,3 +141,38 @@ def test_a_config_with_context_parallelism_plans_its_own_layout(capsys):
     assert "\n  cp_exposed " in out
     assert "CP groups span 1 node(s) in 1 pod(s)" in out
     assert "--parallel.cp=2" in out
+
+
+def _best_step_s(out: str) -> float:
+    """The predicted step time of the first layout a plan prints."""
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("1 "))
+    return float(row.split()[-8])
+
+
+def test_float8_linear_layers_plan_at_the_float8_peak_and_no_float8_device_refuses(capsys):
+    args = ["--config", PAPER_175B, "--devices", "256", "--batch", "256", "--top", "1", "--config-layout"]
+    _, bf16, _ = plan(capsys, "--hardware", "h100", *args)
+    status, fp8, _ = plan(capsys, "--hardware", "h100", "--fp8", *args)
+    assert status == 0
+    assert "assumed: bfloat16 at 989 TFLOP/s peak per device (linear layers float8 at 1979)" in fp8
+    # The GEMMs halve, not the step: attention, communication and the casts stay.
+    assert 0.5 * _best_step_s(bf16) < _best_step_s(fp8) < 0.9 * _best_step_s(bf16)
+    status, _, err = plan(capsys, "--hardware", "a100", "--fp8", *args)
+    assert status == 2 and "A100-SXM4-80GB has no float8 peak (asked by --fp8" in err
+    _, from_config, _ = plan(capsys, "--hardware", "h100", "--training.fp8=tensorwise", *args)
+    assert _best_step_s(from_config) == _best_step_s(fp8)
+
+
+@pytest.mark.parametrize(
+    ("hardware", "assumed"),
+    [
+        ("v100", "assumed: float16 at 125 TFLOP/s peak per device; 16 per node"),
+        ("b200", "assumed: bfloat16 at 2250 TFLOP/s peak per device; 8 per node"),
+        ("gb200", "assumed: bfloat16 at 2500 TFLOP/s peak per device; 72 per node"),
+    ],
+)
+def test_every_gpu_generation_plans_in_its_own_precision_and_node(capsys, hardware, assumed):
+    status, out, _ = plan(
+        capsys, "--config", PAPER_175B, "--devices", "512", "--batch", "512", "--hardware", hardware
+    )
+    assert status == 0 and out.splitlines()[1].startswith(assumed)

@@ -16,13 +16,31 @@ def test_every_gpu_profile_cites_its_datasheet_and_uses_the_mfu_peaks():
     assert list(HARDWARE) == [*PROFILES, "cpu"]
     for key, profile in PROFILES.items():
         assert "datasheet" in profile.source or "product brief" in profile.source
-        assert profile.peak_tflops["bfloat16"] == PEAK_TFLOPS[(key.upper(), "bfloat16")]
+        for dtype, tflops in profile.peak_tflops.items():
+            assert tflops == PEAK_TFLOPS[(key.upper(), dtype)]
+        assert profile.peak_tflops["float16"] >= profile.peak_tflops["float32"]
         assert profile.inter_node_bytes_per_s < profile.intra_node_bytes_per_s < profile.hbm_bytes_per_s
+
+
+@pytest.mark.parametrize(
+    ("name", "bfloat16"),
+    [("NVIDIA GB200", 2500.0), ("NVIDIA B200", 2250.0), ("Tesla V100-SXM2-32GB", None)],
+)
+def test_a_device_name_finds_its_own_peak_not_a_substring_of_it(monkeypatch, name, bfloat16):
+    """GB200 contains B200: the MFU table matches the longer name first; V100 has no bfloat16."""
+    import torch
+
+    from megascale.observe import peak
+
+    monkeypatch.setattr(peak, "device_name", lambda device: name)
+    found = peak.peak_for(torch.device("cuda"), "bfloat16", 1, None)
+    assert (found.tflops if found else None) == bfloat16
 
 
 def test_an_unknown_profile_is_refused_by_name():
     with pytest.raises(
-        ConfigError, match=r"--hardware 'tpu' is unknown; choose one of a100, h100, h800, h200, cpu"
+        ConfigError,
+        match=r"--hardware 'tpu' is unknown; choose one of v100, a100, h100, h800, h200, b200, gb200, cpu",
     ):
         profile_named("tpu")
 
@@ -74,7 +92,7 @@ def test_the_cpu_profile_is_built_from_the_measurements(monkeypatch):
     # the small GEMM ran at half the peak, so a GEMM of its size earns half the efficiency
     small = 2 * 256 * 128 * 384
     assert profile.gemm_efficiency * small / (small + profile.gemm_half_flops) == pytest.approx(0.5)
-    with pytest.raises(ConfigError, match=r"--dtype 'bfloat16' has no peak"):
+    with pytest.raises(ConfigError, match=r"has no bfloat16 peak \(asked by --dtype"):
         profile.peak_flops("bfloat16")
     del measured["fsdp_update_block_host_s"]  # a cache written before the update was measured
     path.write_text(json.dumps({plan_profiles.cache_key(1): measured}))

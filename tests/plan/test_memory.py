@@ -94,3 +94,76 @@ def test_torchtitans_selective_op_checkpointing_keeps_every_other_matmuls_output
     kinds = ("none", "op", "full")
     by_kind = {kind: activation_bytes_per_block(JOB, Layout(recompute=kind)) for kind in kinds}
     assert by_kind["full"] < by_kind["op"] < by_kind["none"]
+
+
+def _saved_by_first_block(cfg, batch: int) -> int:
+    """Bytes the first block of megascale's model saves for its backward, counted by storage as autograd
+    saves them (not the parameters or buffers), in the training dtype."""
+    import itertools
+
+    import torch
+
+    from megascale.models.llama import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    saved, inside = {}, [False]
+    block = model.layers["0"]
+    block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if inside[0] and storage.data_ptr() not in state:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens = torch.randint(cfg.model.vocab_size, (batch, cfg.data.seq_len))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.dtype == "bfloat16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+        model(tokens)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],
+        ["--training.dtype=bfloat16"],
+        ["--model.mlp=gelu", "--model.norm=layernorm", "--model.position=learned"],
+        ["--model.block=parallel", "--training.dtype=bfloat16", "--model.attention.n_kv_heads=2"],
+        ["--model.mlp=gelu", "--training.dtype=bfloat16", "--training.micro_batch_size=4"],
+        ["--parallel.activation_checkpoint=full"],
+    ],
+)
+def test_the_trainers_block_is_counted_as_its_model_saves_it(options):
+    from megascale.config import load_config
+    from megascale.plan.job import job_from_config, layout_from_config
+    from megascale.plan.memory import trainer_block_bytes
+
+    cfg = load_config(
+        None, ["--model.dim=64", "--data.seq_len=32", "--training.micro_batch_size=2", *options]
+    )
+    expected = trainer_block_bytes(job_from_config(cfg), layout_from_config(cfg, 1), on_cpu=True)
+    if cfg.parallel.activation_checkpoint == "full":  # the block's input alone
+        assert expected == cfg.training.micro_batch_size * 32 * 64 * 4
+    else:
+        assert _saved_by_first_block(cfg, cfg.training.micro_batch_size) == expected
+
+
+def test_offload_leaves_the_blocks_each_micro_batch_in_flight_keeps():
+    """Offload keeps each chunk's last block per micro-batch in flight, and on an accelerator the block
+    fetched ahead of the one in its backward."""
+    from megascale.plan.memory import offload_held_blocks
+
+    job = dataclasses.replace(JOB, model=tiny_model_config(n_layers=8), global_batch=16)
+    logits = 2 * 4 * 32 * 96
+    block = activation_bytes_per_block(job, Layout())
+    on_cpu = memory_per_device(job, Layout(offload=True), on_cpu=True).activations_bytes
+    assert on_cpu == pytest.approx(block + logits)
+    assert memory_per_device(job, Layout(offload=True)).activations_bytes == pytest.approx(2 * block + logits)
+    pipelined = memory_per_device(job, Layout(pp=2, offload=True)).activations_bytes
+    assert pipelined == pytest.approx((2 + 1) * block + logits)  # 1F1B's 2 micro-batches in flight
+    assert offload_held_blocks(Layout(virtual_stages=2), blocks=4, in_flight=2, fetch_ahead=True) == 4
+    assert offload_held_blocks(Layout(), blocks=2, in_flight=1, fetch_ahead=True) == 1  # nothing to fetch

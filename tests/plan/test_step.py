@@ -172,3 +172,15 @@ def test_megatrons_collectives_per_column_row_pair_follow_sequence_parallelism()
     assert pair_collectives(Layout(recompute="full")) == 7
     assert pair_collectives(Layout(recompute="selective", sequence_parallel=False)) == 4
     assert pair_collectives(Layout(recompute="full", sequence_parallel=False)) == 6
+
+
+@pytest.mark.parametrize(("pp", "virtual_stages"), [(8, 1), (8, 6), (2, 1), (2, 2)])
+def test_asynchronous_pipeline_transfers_leave_what_the_1f1b_loop_keeps_exposed(pp, virtual_stages):
+    """Blocking, a micro-batch waits for 2 v transfers (one a chunk, each way); asynchronous, its turn
+    round the loop of pv chunks and 2 (pv - 1) transfers that pv micro-batches share takes 2 (pv - 1)/pv."""
+    layout = dict(pp=pp, virtual_stages=virtual_stages, devices=8 * pp * 4)
+    blocking = estimate(features=dataclasses.replace(MEGASCALE, pp_overlap=False), **layout)
+    overlapped = estimate(features=MEGASCALE, **layout)
+    transfer_s = blocking.terms_s["pp_exposed"] / (2 * virtual_stages)
+    chunks = pp * virtual_stages
+    assert overlapped.terms_s["pp_exposed"] == pytest.approx(2 * (chunks - 1) / chunks * transfer_s)
