@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -188,6 +189,27 @@ def predict(
     return figures
 
 
+def replan(saved: Path, out: Path) -> int:
+    """The predictions of a saved run, made again by today's planner; its measurements kept."""
+    record = json.loads(saved.read_text())
+    setup, figures = record["setup"], record["figures"]
+    links = {speed: Link(**link) for speed, link in setup["links"].items()}
+    delay_emulated = "no delay" not in setup["fast"]
+    cpu = plan_profiles.measured_profile(
+        setup["calibration"], 1, setup["calibrated_peak_tflops"], "this bench's calibration"
+    )
+    figures |= predict(setup["jobs"], cpu, links, delay_emulated)
+    for layout in setup["jobs"]:
+        for name in ("step", "predicted_step", "predicted_overlap_step", "predicted_whole_core_step"):
+            ratio = figures[f"{layout}_slow_{name}_s"] / figures[f"{layout}_fast_{name}_s"]
+            figures[f"{layout}_{name}_ratio_slow_over_fast"] = ratio
+    for name, value in figures.items():
+        print(f"{name} {value:.4g}")
+    record["figures"] = figures
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", default="800mbit", help="The fast link between the nodes (tc's rate).")
@@ -204,7 +226,16 @@ def main() -> int:
     parser.add_argument("--calibration-rounds", type=int, default=2, help="Rounds of `megascale calibrate`.")
     parser.add_argument("--timeout", type=float, default=600, help="Seconds a run may take before it fails.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/bandwidth.json"), help="JSON output.")
+    parser.add_argument(
+        "--replan",
+        type=Path,
+        metavar="JSON",
+        help="Measure nothing: recompute the predictions of a run saved in JSON with today's planner, from "
+        "the calibration it measured, and write the run back with them to --out.",
+    )
     args = parser.parse_args()
+    if args.replan:
+        return replan(args.replan, args.out)
     links = {"fast": Link(args.fast, args.delay_ms), "slow": Link(args.slow, args.delay_ms)}
     shape = [
         f"--model.dim={args.dim}",

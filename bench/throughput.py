@@ -1,19 +1,27 @@
 """Training throughput and MFU of megascale's Trainer against Hugging Face's same-shape LlamaForCausalLM.
 
 For each model (configs/default.toml, configs/llama-50m.toml) and each dtype (float32, bfloat16 autocast with
-float32 weights), one process builds megascale's real `Trainer` and a `LlamaForCausalLM` with the same
-hidden, intermediate, layer, head, kv-head and vocab sizes (SDPA attention, untied output). Hugging Face's
-side is a plain loop doing the same work per step: the same micro-batches (gradient accumulation), the same
-autocast, AdamW with the same hyperparameters, `clip_grad_norm_` with the same max norm, `zero_grad`. After
-warm-up, timed steps alternate between the two (ours, HF, HF, ours, ...) so machine noise hits both alike;
-tokens/s come from median step times, and the ratio is the median of the back-to-back pairs' ratios.
+float32 weights), megascale's real `Trainer` is built beside a `LlamaForCausalLM` with the same hidden,
+intermediate, layer, head, kv-head and vocab sizes (SDPA attention, untied output). Hugging Face's side is
+a plain loop doing the same work per step: the same micro-batches (gradient accumulation), the same
+autocast, the same AdamW implementation (fused, as megascale's) with the same hyperparameters,
+`clip_grad_norm_` with the same max norm, `zero_grad`. After warm-up, timed steps alternate between the two
+(ours, HF, HF, ours, ...) so machine noise hits both alike. With `--processes 2` (the default) each side
+lives in a process of its own, spawned afresh, and the parent steps them in lockstep, one at a time:
+megascale's Trainer changes its whole process on CPU, which a plain loop in its own process would not
+have: it sets glibc's malloc (megascale.malloc), and its data-prefetch thread's OpenMP team makes libgomp's
+waiting threads sleep almost at once instead of spinning. `--processes 1` builds both in this process, the
+plain loop then inheriting both. Each step is timed twice: wall clock, and its process's CPU time
+(`time.process_time`, every thread of the process: torch's intra-op threads are in-process), which other
+work on a shared machine disturbs far less. tokens/s come from median wall times; each ratio (ours / HF
+speed) is the median of the back-to-back pairs' ratios, with its quartiles.
 MFU is model FLOPs per second (megascale.models.flops) over this CPU's measured matmul peak
 (`megascale calibrate`), or on an accelerator over its vendor dense peak; on CUDA each side's step peak
 memory above the resident state is reported too. Prints one `name value` line per figure (progress goes
 to stderr) and writes them all, with the machine, as JSON.
 
     python bench/throughput.py --out bench/results/throughput.json
-    python bench/throughput.py --device cuda --compile --hf-fused --models 1b --dtypes bfloat16 \
+    python bench/throughput.py --device cuda --compile --models 1b --dtypes bfloat16 \
         --set data.source=corpus.txt --out bench/results/throughput-h100.json
 """
 
@@ -23,23 +31,27 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing
 import transformers
 
 from megascale.config import JobConfig, ModelConfig, load_config
 from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.flops import flops_per_token, num_params
 from megascale.observe.peak import calibrate, cpu_model, device_name, peak_for
-from megascale.trainer import Trainer
+from megascale.parallel.distributed import pick_device
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # Model name -> (config file, overrides). The byte tokenizer's 257 ids fit the 50M model's 32000-entry
@@ -64,15 +76,18 @@ MODELS = {
     ),
 }
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
+SIDES = ("megascale", "hf")  # the order of the first step's pair
+STOP_TIMEOUT_S = 30.0  # how long a side's process has to tear down and exit before it is killed
 
 log = logging.getLogger("bench.throughput")
 
 
-def build_trainer(model: str, dtype: str, bench: argparse.Namespace, run_dir: str) -> Trainer:
-    """megascale's Trainer for `model` in `dtype`, writing nothing but its log into `run_dir`."""
+def job_config(model: str, dtype: str, bench: argparse.Namespace, run_dir: str | None = None) -> JobConfig:
+    """megascale's config for `model` in `dtype`; a Trainer built from it writes nothing but its log, into
+    `run_dir` (needed only to build one)."""
     config_file, extra = MODELS[model]
     overrides = [
-        f"--training.run_dir={run_dir}",
+        *([f"--training.run_dir={run_dir}"] if run_dir else []),
         f"--training.dtype={dtype}",
         f"--training.threads={bench.threads}",
         f"--training.device={bench.device}",
@@ -85,7 +100,7 @@ def build_trainer(model: str, dtype: str, bench: argparse.Namespace, run_dir: st
         *extra,
         *(f"--{override}" for override in bench.set),
     ]
-    return Trainer(load_config(CONFIG_DIR / config_file, overrides))
+    return load_config(CONFIG_DIR / config_file, overrides)
 
 
 def hf_config(model: ModelConfig) -> transformers.LlamaConfig:
@@ -109,24 +124,27 @@ def hf_config(model: ModelConfig) -> transformers.LlamaConfig:
 class HFLoop:
     """A plain training loop around LlamaForCausalLM doing the same work per step as `Trainer.train_step`."""
 
-    def __init__(self, cfg: JobConfig, device: torch.device, compile_model: bool, fused: bool):
+    def __init__(self, cfg: JobConfig, device: torch.device, compile_model: bool, optimizer: str):
         training, optim = cfg.training, cfg.optim
         torch.manual_seed(training.seed)
         self.device = device
         self.model = transformers.LlamaForCausalLM(hf_config(cfg.model)).to(device)
         self.model.train()
-        hf_params = sum(p.numel() for p in self.model.parameters())
-        if hf_params != num_params(cfg.model):
-            raise RuntimeError(f"HF model has {hf_params:,} parameters, megascale {num_params(cfg.model):,}")
+        self.num_params = sum(p.numel() for p in self.model.parameters())
         # The same two groups as megascale.optim.param_groups: no weight decay on norm gains.
         params = list(self.model.parameters())
         groups = [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
-        # torch's default implementation (foreach), as a plain loop has it, or fused as megascale's.
+        # Fused, as megascale's (megascale.optim.build_optimizer), unless the plain loop's default (foreach)
+        # is asked for: the comparison is then of the steps, not of two AdamW implementations.
         self.optimizer = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused or None
+            groups,
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            fused=True if optimizer == "fused" else None,
         )
         self.forward = torch.compile(self.model) if compile_model else self.model
         self.max_grad_norm = optim.grad_clip
@@ -140,8 +158,7 @@ class HFLoop:
         ]
 
     def train_step(self) -> float:
-        """One optimizer step over all micro-batches; returns its wall time in seconds."""
-        started = time.perf_counter()
+        """One optimizer step over all micro-batches; returns the mean loss."""
         total_loss = torch.zeros((), device=self.device)
         for tokens in self.micro_batches:
             with self._autocast():
@@ -152,8 +169,7 @@ class HFLoop:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss.item()  # waits for the device
-        return time.perf_counter() - started
+        return total_loss.item()  # waits for the device
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -161,44 +177,60 @@ class HFLoop:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
+def timed(step: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
+    """`step` made to return its (wall, process CPU) seconds: the CPU time of every thread of this process."""
+
+    def run() -> tuple[float, float]:
+        wall_started, cpu_started = time.perf_counter(), time.process_time()
+        step()
+        return time.perf_counter() - wall_started, time.process_time() - cpu_started
+
+    return run
+
+
 def alternate(
-    timers: dict[str, Callable[[], float]], warmup: int, steps: int, case: str
-) -> dict[str, list[float]]:
+    timers: dict[str, Callable[[], tuple[float, float]]], warmup: int, steps: int, case: str
+) -> dict[str, dict[str, list[float]]]:
     """Run the timers in turn (A, B, B, A, ...: neither always runs right after the other); return the
-    times of the steps after warm-up, per timer."""
-    times_s: dict[str, list[float]] = {name: [] for name in timers}
+    wall and CPU times of the steps after warm-up, per clock and timer."""
+    times_s: dict[str, dict[str, list[float]]] = {
+        clock: {name: [] for name in timers} for clock in ("wall", "cpu")
+    }
     for step in range(warmup + steps):
         order = list(timers) if step % 2 == 0 else list(reversed(timers))
         for name in order:
-            elapsed_s = timers[name]()
+            wall_s, cpu_s = timers[name]()
             if step >= warmup:
-                times_s[name].append(elapsed_s)
-            log.info("%s step %d/%d %s %.3f s", case, step + 1, warmup + steps, name, elapsed_s)
+                times_s["wall"][name].append(wall_s)
+                times_s["cpu"][name].append(cpu_s)
+            log.info(
+                "%s step %d/%d %s %.3f s (cpu %.3f s)", case, step + 1, warmup + steps, name, wall_s, cpu_s
+            )
     return times_s
 
 
 class StepMemory:
     """On CUDA: each timer's largest step peak above the memory held when its step began (activations and
-    transients; the weights and optimizer state of both models stay resident throughout)."""
+    transients; the weights and optimizer state stay resident throughout)."""
 
     def __init__(self, device: torch.device):
         self.on_cuda = device.type == "cuda"  # torch.cuda only behind this check
         self.peak_gib: dict[str, float] = {}
 
-    def wrap(self, name: str, timer: Callable[[], float]) -> Callable[[], float]:
+    def wrap(self, name: str, timer: Callable[[], tuple[float, float]]) -> Callable[[], tuple[float, float]]:
         if not self.on_cuda:
             return timer
 
-        def timed() -> float:
+        def measured() -> tuple[float, float]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             held = torch.cuda.memory_allocated()
-            elapsed_s = timer()
+            wall_and_cpu_s = timer()
             above = (torch.cuda.max_memory_allocated() - held) / 2**30
             self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), above)
-            return elapsed_s
+            return wall_and_cpu_s
 
-        return timed
+        return measured
 
 
 def peak_tflops_of(device: torch.device, dtype: str, threads: int) -> float:
@@ -211,40 +243,195 @@ def peak_tflops_of(device: torch.device, dtype: str, threads: int) -> float:
     return peak.tflops
 
 
-def measure(model: str, dtype: str, bench: argparse.Namespace) -> dict[str, Any]:
-    """Median step times of megascale's Trainer and the HF loop, measured alternately in one process."""
-    case = f"{model}_{DTYPE_LABELS[dtype]}"
+@contextlib.contextmanager
+def built_side(side: str, model: str, dtype: str, bench: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """One side of a case, built: {"step": its training step, "device", "params" (the HF model's count;
+    megascale's is `num_params` of its config), "malloc_keeps_freed_memory"}; closed on exit. Only
+    megascale's side imports the Trainer, which sets the process's malloc on CPU."""
     with tempfile.TemporaryDirectory(prefix="megascale-bench-") as run_dir:
-        trainer = build_trainer(model, dtype, bench, run_dir)
-        cfg = trainer.cfg
-        hf = HFLoop(cfg, trainer.device, bench.compile, bench.hf_fused)
-        memory = StepMemory(trainer.device)
-        timers = {
-            "megascale": memory.wrap("megascale", lambda: trainer.train_step().step_time_s),
-            "hf": memory.wrap("hf", hf.train_step),
-        }
+        cfg = job_config(model, dtype, bench, run_dir)
+        if side == "hf":
+            device = pick_device(cfg.training.device)
+            hf = HFLoop(cfg, device, bench.compile, bench.hf_optimizer)
+            yield {"step": hf.train_step, "device": device, "params": hf.num_params}
+            return
+        # Imported here, not at the top: a spawned HF side loads this module and must not load megascale's.
+        from megascale.malloc import keep_freed_memory
+        from megascale.trainer import Trainer
+
+        trainer = Trainer(cfg)
+        try:
+            yield {
+                "step": trainer.train_step,
+                "device": trainer.device,
+                "params": num_params(cfg.model),
+                # The Trainer has set it on CPU; setting it again only reports whether it took.
+                "malloc_keeps_freed_memory": trainer.device.type == "cpu" and keep_freed_memory(),
+            }
+        finally:
+            trainer.close()
+
+
+def check_same_size(hf_params: int, ours_params: int) -> None:
+    """Fail before any timing unless both models have the same parameter count."""
+    if hf_params != ours_params:
+        raise RuntimeError(f"HF model has {hf_params:,} parameters, megascale {ours_params:,}")
+
+
+def measure_in_one_process(
+    model: str, dtype: str, bench: argparse.Namespace, case: str, params: int
+) -> dict[str, Any]:
+    """Both sides built in this process (megascale's first: the HF loop inherits its malloc setting) and
+    stepped alternately: {"times_s", "peak_gib", "device", "malloc_keeps_freed_memory"}."""
+    with built_side("megascale", model, dtype, bench) as ours, built_side("hf", model, dtype, bench) as hf:
+        check_same_size(hf["params"], params)
+        memory = StepMemory(ours["device"])
+        timers = {name: memory.wrap(name, timed(side["step"])) for name, side in zip(SIDES, (ours, hf))}
         times_s = alternate(timers, bench.warmup, bench.steps, case)
-        device = trainer.device
-        trainer.close()
+    keeps = ours["malloc_keeps_freed_memory"]
+    return {
+        "times_s": times_s,
+        "peak_gib": memory.peak_gib,
+        "device": ours["device"],
+        "malloc_keeps_freed_memory": {"megascale": keeps, "hf": keeps},
+    }
+
+
+def serve_side(conn: Connection, side: str, model: str, dtype: str, bench: argparse.Namespace) -> None:
+    """The body of one side's process: build the side, answer ("ready", info), then time one step per
+    "step" request, answering ("step", wall s, CPU s), until "stop", answered ("stopped", step peaks).
+    Any failure is answered ("error", traceback). Exits when the parent is gone or silent too long."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="[%(asctime)s] %(message)s")
+    torch.set_num_threads(bench.threads)
+    try:
+        with built_side(side, model, dtype, bench) as built:
+            memory = StepMemory(built["device"])
+            timer = memory.wrap(side, timed(built["step"]))
+            info = {key: value for key, value in built.items() if key != "step"}
+            conn.send(("ready", {**info, "device": str(built["device"])}))
+            # The parent waits at most timeout_s for the other side between two requests to this one.
+            while conn.poll(2 * bench.timeout_s + STOP_TIMEOUT_S):
+                request = conn.recv()
+                if request == "stop":
+                    break
+                conn.send(("step", *timer()))
+            else:
+                raise TimeoutError(
+                    f"no request from the benchmark in {2 * bench.timeout_s + STOP_TIMEOUT_S} s"
+                )
+        conn.send(("stopped", memory.peak_gib))
+    except EOFError:  # the parent is gone: nobody to answer
+        raise SystemExit(1) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+class SideProcess:
+    """One side of a case in a spawned process of its own (a fresh interpreter: it inherits no malloc
+    setting, nor anything else process-wide, from this one or the other side), driven over a pipe. Every
+    wait is bounded by `timeout_s`; `close` makes sure the process is gone."""
+
+    def __init__(self, side: str, model: str, dtype: str, bench: argparse.Namespace):
+        self.side, self.timeout_s = side, bench.timeout_s
+        context = torch.multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(
+            target=serve_side, args=(child_conn, side, model, dtype, bench), name=f"throughput-{side}"
+        )
+        self.process.start()
+        child_conn.close()  # so that the child's death reads as end-of-file here
+
+    def request(self, message: str | None, expected: str) -> Any:
+        """Send `message` (None: nothing), wait for the answer named `expected` and return its payload."""
+        if message is not None:
+            with contextlib.suppress(ConnectionError):  # the process is gone: reported below
+                self.conn.send(message)
+        if not wait([self.conn, self.process.sentinel], timeout=self.timeout_s):
+            raise TimeoutError(
+                f"the {self.side} process did not answer {message or 'ready'} in {self.timeout_s} s"
+            )
+        try:
+            name, *payload = self.conn.recv() if self.conn.poll() else ("exited",)
+        except (EOFError, ConnectionError):
+            name, payload = "exited", []
+        if name == "error":
+            raise RuntimeError(f"the {self.side} process failed:\n{payload[0]}")
+        if name != expected:
+            self.process.join(STOP_TIMEOUT_S)
+            raise RuntimeError(
+                f"the {self.side} process exited (code {self.process.exitcode}) before {expected}"
+            )
+        return payload[0] if len(payload) == 1 else tuple(payload)
+
+    def close(self) -> None:
+        """Hang up (a side waiting for a request then exits), wait for the process to exit, and kill it by
+        its pid if it has not within STOP_TIMEOUT_S."""
+        self.conn.close()
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            log.warning("killing the %s process (pid %d)", self.side, self.process.pid)
+            self.process.kill()
+            self.process.join(STOP_TIMEOUT_S)
+
+
+def measure_in_two_processes(
+    model: str, dtype: str, bench: argparse.Namespace, case: str, params: int
+) -> dict[str, Any]:
+    """Each side built in its own process, one after the other, then stepped in lockstep (only one side
+    computes at a time): {"times_s", "peak_gib", "device", "malloc_keeps_freed_memory"}."""
+    with contextlib.ExitStack() as stack:
+        sides, infos = {}, {}
+        for name in SIDES:
+            sides[name] = SideProcess(name, model, dtype, bench)
+            stack.callback(sides[name].close)
+            infos[name] = sides[name].request(None, "ready")
+        check_same_size(infos["hf"]["params"], params)
+        timers = {name: lambda side=side: side.request("step", "step") for name, side in sides.items()}
+        times_s = alternate(timers, bench.warmup, bench.steps, case)
+        peak_gib: dict[str, float] = {}
+        for side in sides.values():
+            peak_gib.update(side.request("stop", "stopped"))
+    return {
+        "times_s": times_s,
+        "peak_gib": peak_gib,
+        "device": torch.device(infos["megascale"]["device"]),
+        "malloc_keeps_freed_memory": {
+            "megascale": infos["megascale"]["malloc_keeps_freed_memory"],
+            "hf": False,
+        },
+    }
+
+
+def measure(model: str, dtype: str, bench: argparse.Namespace) -> dict[str, Any]:
+    """Median step times of megascale's Trainer and the HF loop, measured alternately, and the figures."""
+    case = f"{model}_{DTYPE_LABELS[dtype]}"
+    cfg = job_config(model, dtype, bench)
+    in_processes = measure_in_two_processes if bench.processes == 2 else measure_in_one_process
+    measured = in_processes(model, dtype, bench, case, num_params(cfg.model))
+    times_s, device = measured["times_s"], measured["device"]
     tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak_tflops = peak_tflops_of(device, dtype, bench.threads)
     figures: dict[str, float] = {}
-    for name, samples in times_s.items():
+    for name, samples in times_s["wall"].items():
         tokens_per_s = tokens_per_step / statistics.median(samples)
         figures[f"{case}_{name}_tokens_per_s"] = tokens_per_s
         figures[f"{case}_{name}_mfu"] = tokens_per_s * flops / (peak_tflops * 1e12)
-        if name in memory.peak_gib:
-            figures[f"{case}_{name}_step_peak_gib"] = memory.peak_gib[name]
-    # The ratio is the median over back-to-back pairs of steps (ours, HF): each pair sees the same machine
+        figures[f"{case}_{name}_cpu_s"] = statistics.median(times_s["cpu"][name])
+        if name in measured["peak_gib"]:
+            figures[f"{case}_{name}_step_peak_gib"] = measured["peak_gib"][name]
+    # Each ratio is the median over back-to-back pairs of steps (ours, HF): each pair sees the same machine
     # load, so slow drifts in the shared machine's speed cancel; the quartiles show how far noise moves it.
-    pair_ratios = [hf_s / ours_s for ours_s, hf_s in zip(times_s["megascale"], times_s["hf"])]
-    figures[f"{case}_ratio"] = statistics.median(pair_ratios)
-    figures[f"{case}_ratio_of_medians"] = (
-        figures[f"{case}_megascale_tokens_per_s"] / figures[f"{case}_hf_tokens_per_s"]
-    )
-    if len(pair_ratios) >= 2:
-        figures[f"{case}_ratio_q1"], _, figures[f"{case}_ratio_q3"] = statistics.quantiles(pair_ratios, n=4)
+    for clock, prefix in (("cpu", "cpu_"), ("wall", "")):
+        ours_s, hf_s = times_s[clock]["megascale"], times_s[clock]["hf"]
+        pair_ratios = [theirs / ours for ours, theirs in zip(ours_s, hf_s)]
+        figures[f"{case}_{prefix}ratio"] = statistics.median(pair_ratios)
+        if len(pair_ratios) >= 2:
+            quartiles = statistics.quantiles(pair_ratios, n=4)
+            figures[f"{case}_{prefix}ratio_q1"] = quartiles[0]
+            figures[f"{case}_{prefix}ratio_q3"] = quartiles[2]
     shape = {
         "params": num_params(cfg.model),
         "flops_per_token": flops,
@@ -253,7 +440,12 @@ def measure(model: str, dtype: str, bench: argparse.Namespace) -> dict[str, Any]
         "seq_len": cfg.data.seq_len,
         "peak_tflops": peak_tflops,
     }
-    return {"figures": figures, "shape": shape, "step_times_s": times_s}
+    return {
+        "figures": figures,
+        "shape": shape,
+        "step_times_s": times_s,
+        "malloc_keeps_freed_memory": measured["malloc_keeps_freed_memory"],
+    }
 
 
 def write_figure(name: str, value: float) -> None:
@@ -272,7 +464,43 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', ... (training.device) for both")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
-    parser.add_argument("--hf-fused", action="store_true", help="fused AdamW for Hugging Face's loop too")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2: each side in a process of its own, stepped in lockstep (the default); 1: both in this "
+        "process, the HF loop inheriting what megascale's Trainer sets process-wide on CPU",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=900.0,
+        help="with --processes 2: the longest wait for one side to build or to take one step",
+    )
+    parser.add_argument(
+        "--hf-optimizer",
+        choices=("fused", "foreach"),
+        default="fused",
+        help="AdamW implementation of Hugging Face's loop: fused (as megascale's, the default) or foreach "
+        "(torch's default, as a plain loop has it)",
+    )
+    parser.add_argument(
+        "--hf-fused",
+        dest="hf_optimizer",
+        action="store_const",
+        const="fused",
+        help="the same as --hf-optimizer=fused (the default; kept for bench/gpu.sh)",
+    )
+    parser.add_argument(
+        "--omp-spincount",
+        type=int,
+        default=1000,
+        help="GOMP_SPINCOUNT of both sides' processes (with --processes 2): how long an OpenMP thread spins "
+        "for its team before it sleeps. Short for both, so that a core other work takes from one side does "
+        "not turn into CPU time spent spinning, which libgomp's long default does when a process has no "
+        "more threads than cores; 0 leaves the environment as it is",
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -288,6 +516,8 @@ def main() -> None:
             parser.error(f"unknown {unknown}; choose from {', '.join(allowed)}")
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="[%(asctime)s] %(message)s")
     torch.set_num_threads(args.threads)
+    if args.omp_spincount:  # read by libgomp as each spawned side starts
+        os.environ["GOMP_SPINCOUNT"] = str(args.omp_spincount)
 
     started_s = time.perf_counter()
     figures: dict[str, float] = {}
@@ -307,6 +537,7 @@ def main() -> None:
                 "shape": result["shape"],
                 "step_times_s": result["step_times_s"],
             }
+            malloc_keeps_freed_memory = result["malloc_keeps_freed_memory"]
             for name, value in result["figures"].items():
                 figures[name] = value
                 write_figure(name, value)
@@ -324,12 +555,21 @@ def main() -> None:
     settings = {
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
-        "statistic": "tokens/s from median step times; ratio = median of back-to-back pair ratios",
+        "statistic": "tokens/s from median wall step times; ratio (wall) and cpu_ratio (process CPU time) = "
+        "median of back-to-back pair ratios, HF time / megascale time",
         "mfu_relative_to": "measured CPU matmul peak (megascale calibrate), per dtype"
         if device.type == "cpu"
         else "the accelerator's vendor dense peak (megascale.observe.peak), per dtype",
+        "processes": args.processes,
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+        "processes_means": "each side in a spawned process of its own, stepped in lockstep"
+        if args.processes == 2
+        else "both sides in one process, stepped alternately",
         "compile": args.compile,
-        "hf_fused_adamw": args.hf_fused,
+        "hf_adamw": args.hf_optimizer,
+        "megascale_adamw": "fused",
+        # megascale's Trainer sets it process-wide on CPU: with one process the Hugging Face loop has it too.
+        "malloc_keeps_freed_memory": malloc_keeps_freed_memory,
         "overrides": args.set,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
