@@ -53,6 +53,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.*, run as a script
@@ -189,6 +190,17 @@ def predict(
     return figures
 
 
+def add_ratios_and_print(figures: dict[str, float], layouts: Iterable[str]) -> None:
+    """Each layout's slow/fast ratio of its measured and predicted steps into `figures`; then every figure,
+    one `name value` line each."""
+    for layout in layouts:
+        for name in ("step", "predicted_step", "predicted_overlap_step", "predicted_whole_core_step"):
+            ratio = figures[f"{layout}_slow_{name}_s"] / figures[f"{layout}_fast_{name}_s"]
+            figures[f"{layout}_{name}_ratio_slow_over_fast"] = ratio
+    for name, value in figures.items():
+        print(f"{name} {value:.4g}")
+
+
 def replan(saved: Path, out: Path) -> int:
     """The predictions of a saved run, made again by today's planner; its measurements kept."""
     record = json.loads(saved.read_text())
@@ -199,12 +211,7 @@ def replan(saved: Path, out: Path) -> int:
         setup["calibration"], 1, setup["calibrated_peak_tflops"], "this bench's calibration"
     )
     figures |= predict(setup["jobs"], cpu, links, delay_emulated)
-    for layout in setup["jobs"]:
-        for name in ("step", "predicted_step", "predicted_overlap_step", "predicted_whole_core_step"):
-            ratio = figures[f"{layout}_slow_{name}_s"] / figures[f"{layout}_fast_{name}_s"]
-            figures[f"{layout}_{name}_ratio_slow_over_fast"] = ratio
-    for name, value in figures.items():
-        print(f"{name} {value:.4g}")
+    add_ratios_and_print(figures, setup["jobs"])
     record["figures"] = figures
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
@@ -254,12 +261,7 @@ def main() -> int:
     figures |= figures_measured
     cpu = plan_profiles.measured_profile(measured, 1, peak_tflops, "this bench's calibration")
     figures |= predict(jobs, cpu, links, delay_emulated)
-    for layout in jobs:
-        for name in ("step", "predicted_step", "predicted_overlap_step", "predicted_whole_core_step"):
-            ratio = figures[f"{layout}_slow_{name}_s"] / figures[f"{layout}_fast_{name}_s"]
-            figures[f"{layout}_{name}_ratio_slow_over_fast"] = ratio
-    for name, value in figures.items():
-        print(f"{name} {value:.4g}")
+    add_ratios_and_print(figures, jobs)
     setup |= {
         "links": {speed: dataclasses.asdict(link) for speed, link in links.items()},
         "jobs": jobs,

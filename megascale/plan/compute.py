@@ -169,7 +169,7 @@ def float8_cast_seconds(job: Job, layout: Layout, profile: HardwareProfile, moe:
     and its output gradient in the backward, once each (the weights' casts are per layer, not per token,
     and small), as memory traffic; an MoE layer's experts are not float8 (torchao converts nn.Linear)."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
-    shapes = attention_shapes(job.model, layout.tp) + ([] if moe else mlp_shapes(job.model, layout.tp))
+    shapes = attention_shapes(job.model, layout.tp) if moe else linear_shapes(job.model, layout.tp)
     elements = tokens * sum(n_in + n_out for n_in, n_out in shapes)
     return elements * FLOAT8_CAST_BYTES / profile.hbm_bytes_per_s
 
