@@ -1,9 +1,13 @@
 """Device time of one micro-batch's forward + backward through one block, from FLOPs and bytes.
 
 Three kinds of work, each timed by what limits it:
-- GEMMs (the linear layers, split by tensor parallelism): FLOPs over peak times an achieved fraction that
-  grows with the GEMM's size, `e(f) = e_max * f / (f + f_half)`, so small GEMMs pay for their launch and
-  tail and large ones approach the library's best (paper §3.3: GEMMs are already efficient in Megatron-LM).
+- GEMMs (the linear layers, split by tensor parallelism), on a roofline by shape: an [m, k] x [k, n] GEMM
+  takes the longer of its FLOPs at the library's best fraction of peak (`gemm_efficiency`, paper §3.3:
+  GEMMs are already efficient in Megatron-LM) and its bytes, (mk + kn + mn) elements, at the HBM
+  bandwidth; plus a fixed time per GEMM for its launch and tail, `gemm_half_flops` at that rate. A
+  compute-bound GEMM of f FLOPs thus reaches `e(f) = e_max * f / (f + f_half)` of peak (the curve
+  `bench/kernel_efficiency.py` fits), and a thin one (a router's, a small micro-batch's) is bound by its
+  bytes. Wave quantisation over the device's SMs is not modelled: it averages out over a block's GEMMs.
 - Attention's two score matmuls, in a FlashAttention kernel that skips the masked half of a causal square:
   FlashAttention-2 (paper §3.3) at an achieved fraction of peak, FlashAttention-1 (what a system without
   the paper's operators runs) at half that speed. A sliding window (paper §3.1) caps the keys per query.
@@ -38,6 +42,12 @@ from megascale.plan.job import Job, Layout
 # (LayerNorm, bias + GeLU on the 4x-wide MLP activations, bias-dropout-add twice, their gradients).
 ELEMENTWISE_PASSES_UNFUSED = 72
 ELEMENTWISE_PASSES_FUSED = 36
+# The share of those passes over the MLP's 4x-wide activations (bias + GeLU and its gradient), which
+# tensor parallelism splits with the MLP's columns; the rest, over hidden-size vectors (the LayerNorms and
+# bias-dropout-adds), every tp rank repeats unless sequence parallelism splits them too. Counting elements
+# read and written a token: unfused, bias + GeLU moves 32 hidden-sizes of the block's 62 (bias add and
+# GeLU forward, 16; their backward with the bias gradient, 16); fused, 20 of 40.
+ELEMENTWISE_MLP_SHARE = 0.5
 # FlashAttention-2 is "around 2x faster than FlashAttention" (Dao 2023, arXiv 2307.08691, abstract).
 FLASH_ATTENTION_1_SPEED = 0.5
 # Bytes moved per element of a materialised [heads, s, s] score square at 2-byte activations (Megatron-LM's
@@ -65,10 +75,26 @@ class BlockTime:
         return self.gemm_s + self.attention_s + self.elementwise_s + self.host_s + self.recompute_s
 
 
-def gemm_seconds(flops: float, profile: HardwareProfile, dtype: str) -> float:
-    """One GEMM of `flops` at the efficiency its size earns."""
-    efficiency = profile.gemm_efficiency * flops / (flops + profile.gemm_half_flops)
-    return flops / (profile.peak_flops(dtype) * efficiency)
+# Bytes of an element a GEMM reads (its output is written at 2 bytes when its inputs are float8).
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+def gemm_seconds(m: float, k: float, n: float, profile: HardwareProfile, dtype: str) -> float:
+    """One [m, k] x [k, n] GEMM on the roofline: its FLOPs or its bytes, whichever takes longer, plus the
+    launch and tail every kernel pays."""
+    element = ELEMENT_BYTES[dtype]
+    memory_s = ((m * k + k * n) * element + m * n * max(element, 2)) / profile.hbm_bytes_per_s
+    return gemm_compute_seconds(max(2 * m * k * n, memory_s * gemm_rate(profile, dtype)), profile, dtype)
+
+
+def gemm_rate(profile: HardwareProfile, dtype: str) -> float:
+    """FLOP/s of a large GEMM: the library's best fraction of peak."""
+    return profile.peak_flops(dtype) * profile.gemm_efficiency
+
+
+def gemm_compute_seconds(flops: float, profile: HardwareProfile, dtype: str) -> float:
+    """A GEMM's FLOPs at the large-GEMM rate, plus the launch and tail every kernel pays."""
+    return (flops + profile.gemm_half_flops) / gemm_rate(profile, dtype)
 
 
 def attention_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
@@ -97,8 +123,9 @@ def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
 def _gemms_seconds(
     shapes: list[tuple[int, int]], tokens: float, profile: HardwareProfile, dtype: str
 ) -> float:
-    """Forward GEMM, then backward's two (input gradient and weight gradient) of the same size, each."""
-    return sum(3 * gemm_seconds(2 * tokens * n_in * n_out, profile, dtype) for n_in, n_out in shapes)
+    """Forward GEMM, then backward's two (input gradient and weight gradient), each of the same FLOPs and
+    bytes."""
+    return sum(3 * gemm_seconds(tokens, n_in, n_out, profile, dtype) for n_in, n_out in shapes)
 
 
 def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
@@ -133,8 +160,10 @@ def block_time(
         gemm_s += _gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
     kernel = "flash2" if fused_kernels else attention_kernel
     attention_fwd_s, attention_bwd_s = attention_seconds(job, layout, profile, kernel)
-    passes = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
+    passes: float = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
     shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
+    if moe is None:  # the dense MLP's share is split over the tp ranks, with or without sequence parallelism
+        passes = passes * (ELEMENTWISE_MLP_SHARE * shard / layout.tp + 1 - ELEMENTWISE_MLP_SHARE)
     elementwise_s = (
         tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
     )
@@ -154,7 +183,7 @@ def block_time(
         recompute_s = attention_fwd_s
     if layout.recompute == "op":  # every second linear layer's forward, and the element-wise forward
         shapes = linear_shapes(model, layout.tp)[1::2]
-        recompute_s = sum(gemm_seconds(2 * tokens * n_in * n_out, profile, dtype) for n_in, n_out in shapes)
+        recompute_s = sum(gemm_seconds(tokens, n_in, n_out, profile, dtype) for n_in, n_out in shapes)
         recompute_s += elementwise_s / 3
     return BlockTime(gemm_s, attention_fwd_s + attention_bwd_s, elementwise_s, host_s, recompute_s)
 
@@ -191,7 +220,9 @@ def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel
     queries = layout.micro_batch * layout.local_seq_len(job)
     if kernel == "materialized":
         square = queries * heads * job.seq_len
-        matmuls_s = gemm_seconds(4.0 * square * head_dim, profile, job.dtype)  # both, over the whole square
+        # Both matmuls over the whole square as batched GEMMs, timed by their FLOPs: the square's bytes,
+        # which they write and read, are counted with the softmax's and the dropout's below.
+        matmuls_s = gemm_compute_seconds(4.0 * square * head_dim, profile, job.dtype)
         memory_s = square * job.precision.activation_bytes / 2 / profile.hbm_bytes_per_s
         return (
             matmuls_s + MATERIALIZED_BYTES_FORWARD * memory_s,
@@ -212,7 +243,7 @@ def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> 
     model's parts outside its blocks (all of it counted on the slowest stage: the last, whose output
     layer and loss cost the most)."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
-    flops = 2 * tokens * job.model.dim * job.model.vocab_size / layout.tp
     host_s = profile.model_overhead_s + (profile.tp_model_overhead_s if layout.tp > 1 else 0.0)
     host_s += profile.dp_model_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0
-    return 3 * gemm_seconds(flops, profile, job.dtype) + host_s
+    gemm_s = gemm_seconds(tokens, job.model.dim, job.model.vocab_size / layout.tp, profile, job.dtype)
+    return 3 * gemm_s + host_s

@@ -152,7 +152,7 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
 
 
 def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -> MoEWork:
-    """The MoE layer of one block; `gemm_seconds(flops)` times one GEMM at the efficiency its size earns.
+    """The MoE layer of one block; `gemm_seconds(m, k, n)` times one [m, k] x [k, n] GEMM on the roofline.
     The routed experts run as grouped GEMMs, at the profile's fraction of the rate of one expert's GEMM,
     and the layer's other operators add the profile's share of their time (both measured on an H100);
     both, and the all-to-all, at the pace of the busiest rank's slots (`busiest_rank_load`)."""
@@ -164,15 +164,15 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
     slots = slots_computed(job, layout) * load
     per_expert = slots / local_experts
     # Forward GEMM, then backward's two of the same size, for each projection of each local expert.
-    expert_gemm_s = local_experts * projections * 3 * gemm_seconds(2 * per_expert * model.dim * width)
+    expert_gemm_s = local_experts * projections * 3 * gemm_seconds(per_expert, model.dim, width)
     expert_gemm_s /= profile.grouped_gemm_efficiency
     tokens = tokens_in(job, layout)
     router_tokens = tokens / layout.tp if layout.moe_tp == "split" and layout.sequence_parallel else tokens
-    router_s = 3 * gemm_seconds(2 * router_tokens * model.dim * moe.experts)
+    router_s = 3 * gemm_seconds(router_tokens, model.dim, moe.experts)
     shared_s = 0.0
     if moe.shared_experts:
         shared_width = moe.shared_experts * width
-        shared_s = projections * 3 * gemm_seconds(2 * tokens * model.dim * shared_width)
+        shared_s = projections * 3 * gemm_seconds(tokens, model.dim, shared_width)
     nbytes = job.precision.activation_bytes
     exchanges = 2 if layout.recompute != "full" else 3  # dispatch + combine per pass: fwd, bwd (, again)
     stride = 1 if layout.experts_over_tp else layout.tp

@@ -49,9 +49,8 @@ class HardwareProfile:
     grouped_gemm_efficiency: float
     moe_operator_overhead: float
     network_efficiency: float  # fraction of the link bandwidth a collective achieves (bus bandwidth)
-    layer_overhead_s: (
-        float  # host time per block per micro-batch the device cannot hide (0: launches run ahead)
-    )
+    # Host time per block per micro-batch the device cannot hide (0: launches run ahead):
+    layer_overhead_s: float
     model_overhead_s: float  # the same for the rest of the model (embedding, output layer, loss)
     tp_layer_overhead_s: float  # the same, added by tensor parallelism's operator dispatch
     # ... and what it adds per byte of a micro-batch's activations (tokens x hidden) beyond its share of

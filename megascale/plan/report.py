@@ -12,6 +12,7 @@ import dataclasses
 from megascale.config import JobConfig, load_config
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token, num_params
+from megascale.plan.constants import model_constants, profile_constants
 from megascale.plan.experts import is_moe
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import (
@@ -39,7 +40,8 @@ GROUPS = {
 }
 EXPLAIN = {
     "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
-    "6 x tokens x weights FLOPs, each GEMM at the efficiency its size earns (at the float8 peak with --fp8)",
+    "6 x tokens x weights FLOPs, each GEMM on a roofline by its shape (its FLOPs or its bytes, plus a "
+    "launch; at the float8 peak with --fp8)",
     "attention": "score matmuls: FlashAttention-2 with fused kernels, else FlashAttention-1 at half its "
     "speed or materialised scores (their memory traffic counted)",
     "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
@@ -244,9 +246,14 @@ def explain_lines(plan: Plan, profile: HardwareProfile) -> list[str]:
         )
     )
     lines.append(
-        f"profile {profile.name}: gemm efficiency {profile.gemm_efficiency:.2f} (half at "
-        f"{profile.gemm_half_flops:.3g} FLOPs), attention {profile.attention_efficiency:.2f}, network "
-        f"{profile.network_efficiency:.2f}, intra-node {profile.intra_node_bytes_per_s / 1e9:.3g} GB/s, "
-        f"inter-node {profile.inter_node_bytes_per_s / 1e9:.3g} GB/s; source: {profile.source}"
+        f"profile {profile.name}, source: {profile.source}; its calibration constants' sources in "
+        "docs/planning.md, 'Calibration constants':"
     )
+    lines += [f"  {c.name} = {_value(c.value)}  {c.source}" for c in profile_constants(profile)]
+    lines.append("constants of the model (megascale/plan/<module>.py), each with its source:")
+    lines += [f"  {c.module}.{c.name} = {_value(c.value)}  {c.source}" for c in model_constants()]
     return lines
+
+
+def _value(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

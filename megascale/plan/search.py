@@ -22,8 +22,8 @@ from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.step import StepEstimate, estimate_step
 
 MEMORY_HEADROOM = 0.9  # of device memory usable by the model: the allocator, CUDA context, NCCL buffers
-MICRO_BATCHES = (1, 2, 4, 8, 16)
-MAX_VIRTUAL_STAGES = 8
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro-batch sizes searched: the published runs' span
+MAX_VIRTUAL_STAGES = 8  # model chunks per pipeline rank searched, at most (SC'21 ran up to 6)
 # Positions of each sequence a cp rank keeps, at least: the model leaves out what a ring step costs beyond
 # its transfer and blocks (launches, merging each step's output), which short chunks feel; Llama 3 ran
 # context parallelism at 131,072 over 16 ranks (8,192 each) and none at 8,192 (docs/planning.md).

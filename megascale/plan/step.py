@@ -64,6 +64,8 @@ from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.memory import Memory, memory_per_device, stage_param_groups
 
+# Chunks an overlapped tensor-parallel collective is cut into (megascale's parallel.tp_chunks default,
+# MegaScale §3.2 Fig. 3); the first one's transfer is always exposed.
 TP_OVERLAP_CHUNKS = 4
 
 
@@ -147,8 +149,8 @@ def estimate_step(
     )
 
 
-def _gemm(job: Job, profile: HardwareProfile) -> Callable[[float], float]:
-    return lambda flops: gemm_seconds(flops, profile, job.dtype)
+def _gemm(job: Job, profile: HardwareProfile) -> Callable[[float, float, float], float]:
+    return lambda m, k, n: gemm_seconds(m, k, n, profile, job.dtype)
 
 
 def _tp_exposed_seconds(

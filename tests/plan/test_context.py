@@ -142,7 +142,8 @@ def test_an_moe_layer_beside_context_parallelism_computes_and_sends_its_ranks_to
     assert slots_computed(MOE_JOB, layout_of(4)) == 2048 * 3
 
     def work(cp: int):
-        return moe_work(MOE_JOB, layout_of(cp), H100, lambda flops: flops)  # seconds = FLOPs: the work
+        # seconds = FLOPs: the work
+        return moe_work(MOE_JOB, layout_of(cp), H100, lambda m, k, n: 2 * m * k * n)
 
     # The busiest rank's share of the slots grows a little as each rank routes fewer tokens.
     ratio = busiest_rank_load(MOE_JOB, layout_of(2)) / busiest_rank_load(MOE_JOB, layout_of(1))

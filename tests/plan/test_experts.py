@@ -70,7 +70,7 @@ def test_an_all_to_all_sends_each_peer_its_share_over_the_link_it_reaches_it_by(
 
 def test_the_dispatch_moves_each_slot_of_the_ranks_share_of_the_sequence():
     layout = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp")
-    work = moe_work(JOB, layout, H800, lambda flops: 0.0)
+    work = moe_work(JOB, layout, H800, lambda m, k, n: 0.0)
     slots_bytes = 8192 / 8 * 3 * H * 2  # its 1024 tokens, top-3, bf16, as the busiest rank receives them
     one = all_to_all_seconds(slots_bytes * busiest_rank_load(JOB, layout), 8, 1, H800)
     assert work.all_to_all_s == pytest.approx(4 * one)  # dispatch + combine, forward + backward
@@ -93,7 +93,7 @@ def test_the_busiest_expert_parallel_rank_sets_the_pace_by_its_expected_share_of
     # A capacity caps what any expert, and so any rank, takes.
     capped = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, capacity_factor=1.01))
     assert busiest_rank_load(dataclasses.replace(JOB, model=capped), megascale_moe) == 1.01
-    work = moe_work(JOB, megascale_moe, H800, lambda flops: flops)
+    work = moe_work(JOB, megascale_moe, H800, lambda m, k, n: 2 * m * k * n)
     even = 4 * 3 * 3 * 2 * (3072 / 4) * H * F / H800.grouped_gemm_efficiency  # 4 experts' 3 GEMMs x 3
     assert work.expert_gemm_s == pytest.approx(even * busiest_rank_load(JOB, megascale_moe))
 

@@ -63,11 +63,25 @@ def test_stragglers_cost_more_on_more_hosts():
 
 
 def test_a_gemm_earns_efficiency_with_size_and_a_window_caps_keys():
-    small, large = 1e8, 1e12
-    rate = lambda flops: flops / gemm_seconds(flops, A100, "bfloat16")  # noqa: E731
-    assert rate(small) < rate(large) <= A100.gemm_efficiency * 312e12
+    rate = lambda m, k, n: 2 * m * k * n / gemm_seconds(m, k, n, A100, "bfloat16")  # noqa: E731
+    assert rate(256, 256, 512) < rate(8192, 8192, 8192) <= A100.gemm_efficiency * 312e12
     assert keys_per_query(4, None) == pytest.approx((1 + 2 + 3 + 4) / 4)
     assert keys_per_query(4, 2) == pytest.approx((1 + 2 + 2 + 2) / 4)
+
+
+def test_a_thin_gemm_is_bound_by_its_bytes_a_square_one_by_its_flops():
+    """The roofline: a router's [tokens, 4096] x [4096, 8] moves its input once for 8 outputs a token, far
+    under the A100's ~100 FLOPs a byte; a square 8192^3 GEMM is compute-bound at the large-GEMM rate."""
+    overhead_s = A100.gemm_half_flops / (A100.gemm_efficiency * 312e12)
+    thin_s = gemm_seconds(65536, 4096, 8, A100, "bfloat16")
+    assert thin_s - overhead_s == pytest.approx((65536 * 4096 + 4096 * 8 + 65536 * 8) * 2 / 2039e9)
+    square_s = gemm_seconds(8192, 8192, 8192, A100, "bfloat16")
+    assert square_s - overhead_s == pytest.approx(2 * 8192**3 / (A100.gemm_efficiency * 312e12))
+    # Float8 halves a thin GEMM's input bytes, not its 2-byte output.
+    h100 = PROFILES["h100"]
+    thin8_s = gemm_seconds(65536, 4096, 8, h100, "float8")
+    thin8_s -= h100.gemm_half_flops / (h100.gemm_efficiency * 1979e12)
+    assert thin8_s == pytest.approx((65536 * 4096 + 4096 * 8 + 65536 * 8 * 2) / 3350e9)
 
 
 def test_full_recomputation_costs_a_forward_and_features_off_cost_time():
@@ -157,7 +171,7 @@ def test_torchtitans_selective_op_checkpointing_recomputes_every_second_matmul_a
     layout = Layout(dp=64, recompute="op", sequence_parallel=False)
     block = block_time(job, layout, A100, fused_kernels=False, attention_kernel="flash2")
     recomputed = [(4096, 1024), (4096, 4096), (4096, 14336)]
-    gemms_s = sum(gemm_seconds(2 * 8192 * n_in * n_out, A100, "bfloat16") for n_in, n_out in recomputed)
+    gemms_s = sum(gemm_seconds(8192, n_in, n_out, A100, "bfloat16") for n_in, n_out in recomputed)
     assert block.recompute_s == pytest.approx(gemms_s + block.elementwise_s / 3)
     assert 0.1 < block.recompute_s / block.gemm_s < 0.15  # against full recomputation's third
 
@@ -184,3 +198,17 @@ def test_asynchronous_pipeline_transfers_leave_what_the_1f1b_loop_keeps_exposed(
     transfer_s = blocking.terms_s["pp_exposed"] / (2 * virtual_stages)
     chunks = pp * virtual_stages
     assert overlapped.terms_s["pp_exposed"] == pytest.approx(2 * (chunks - 1) / chunks * transfer_s)
+
+
+def test_tensor_parallelism_splits_the_mlps_element_wise_work_and_sequence_parallelism_the_rest():
+    """Without sequence parallelism every tp rank repeats the LayerNorms and bias-dropout-adds (half the
+    passes) but holds 1/tp of the MLP's activations (the other half); with it, all of it is split."""
+    from megascale.plan.compute import block_time
+
+    def elementwise(tp: int, sequence_parallel: bool) -> float:
+        layout = Layout(tp=tp, dp=1, sequence_parallel=sequence_parallel)
+        return block_time(JOB, layout, A100, fused_kernels=False).elementwise_s
+
+    whole = elementwise(1, False)
+    assert elementwise(8, False) == pytest.approx(whole * (0.5 + 0.5 / 8))
+    assert elementwise(8, True) == pytest.approx(whole / 8)
