@@ -26,7 +26,8 @@ from megascale.parallel.dims import ParallelDims
 from megascale.parallel.expert import apply_expert_parallel
 from megascale.parallel.float8 import gather_float8_as_bytes
 from megascale.parallel.offload import ActivationOffload, apply_activation_offload
-from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_ids_of, stage_layer_ranges
+from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_layer_ranges
+from megascale.parallel.stages import stage_ids_of
 from megascale.parallel.step import ParallelModel, PipelinedModel
 from megascale.parallel.tensor import apply_tensor_parallel
 

@@ -19,8 +19,6 @@ to a single process's; a model larger than host memory would need meta-device in
 from __future__ import annotations
 
 import copy
-import itertools
-import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -46,48 +44,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from megascale.parallel.pipeline_overlap import overlap_schedule
-
-
-def split_layers(
-    weights: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0
-) -> list[range]:
-    """Contiguous layer ranges, one per stage: the heaviest stage as light as possible, and among such
-    splits the most even one (least sum of squared stage weights).
-
-    `weights[i]` is layer i's cost; `first_extra` / `last_extra` are what the first / last stage carry
-    besides layers (embedding; norm and output layer). Every stage gets at least one layer. With equal
-    weights and no extras this is the uniform split, the earlier stages taking the remainder.
-    """
-    n = len(weights)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} layers into {num_stages} stages (each needs one layer)")
-    prefix = [0, *itertools.accumulate(weights)]
-
-    def cost(stage: int, start: int, end: int) -> int:
-        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
-        return prefix[end] - prefix[start] + extra
-
-    def partition(combine: Callable[[float, int], float], limit: float) -> tuple[float, list[range]]:
-        """Dynamic programme over (stages used, layers placed); stages heavier than `limit` are barred.
-        Ties go to the latest cut, which leaves the extra layers of an even split to earlier stages."""
-        best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
-        cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-        best[0][0] = 0
-        for stage in range(1, num_stages + 1):
-            for end in range(stage, n - (num_stages - stage) + 1):
-                for start in range(stage - 1, end):
-                    weight = cost(stage - 1, start, end)
-                    candidate = combine(best[stage - 1][start], weight)
-                    if weight <= limit and candidate <= best[stage][end]:
-                        best[stage][end], cut[stage][end] = candidate, start
-        ranges, end = [], n
-        for stage in range(num_stages, 0, -1):
-            ranges.append(range(cut[stage][end], end))
-            end = cut[stage][end]
-        return best[num_stages][n], ranges[::-1]
-
-    heaviest, _ = partition(max, math.inf)
-    return partition(lambda total, weight: total + weight**2, heaviest)[1]
+from megascale.parallel.stages import split_layers
 
 
 def stage_layer_ranges(model: nn.Module, num_stages: int, split: str, *, blocks: str) -> list[range]:
@@ -148,14 +105,6 @@ class _DualPipeV(_EvaluatedForwardOnly, ScheduleDualPipeV):
 
 
 V_SCHEDULES = {"zbv": _ZBV, "dualpipev": _DualPipeV}  # config.parallel.V_SCHEDULES
-
-
-def stage_ids_of(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
-    """The stages rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (looped placement), or pp_rank and
-    2 pp - 1 - pp_rank for the V schedules."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + chunk * pp for chunk in range(virtual_stages)]
 
 
 def build_stage_module(

@@ -96,6 +96,10 @@ class Layout:
 
     # A zero-bubble schedule (ZB-V, DualPipeV: 2 chunks a rank in a V, weight gradients in the bubble)
     zero_bubble: bool = False
+    # How the layers are cut into pp x v stages (megascale's parallel.pp_split, `megascale.plan.stages`):
+    # equal counts, the earlier stages taking the remainder ("uniform"), or balanced by parameters with the
+    # embedding and the output layer counted toward the first and the last stage ("params").
+    stage_split: str = "uniform"
     # Activation offload (megascale's parallel.activation_offload): every block but each chunk's last moves
     # what it keeps off the device until its backward, which fetches it back one block ahead.
     offload: bool = False
@@ -134,7 +138,9 @@ class Layout:
         context = f" cp{self.cp}" if self.cp > 1 else ""
         return (
             f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{context}{experts} mb{self.micro_batch} "
-            f"zero{self.zero_stage} recompute={self.recompute}" + (" offload" if self.offload else "")
+            f"zero{self.zero_stage} recompute={self.recompute}"
+            + (" split=params" if self.pp > 1 and self.stage_split == "params" else "")
+            + (" offload" if self.offload else "")
         )
 
 
@@ -177,6 +183,9 @@ class Features:
     # How a dense block's activations are counted: Korthikanti et al.'s 34 sbh (Megatron-LM's fused
     # kernels, `megascale.plan.memory`), or tensor by tensor as megascale's own model saves them.
     own_blocks: bool = False
+    # Whether the system cuts layers into stages of unequal counts (megascale's trainer, `plan/stages.py`)
+    # or needs pp x v to divide them (Megatron-LM asserts it).
+    uneven_stages: bool = False
 
     @property
     def host_stall_s(self) -> float:
@@ -197,6 +206,7 @@ MEGASCALE = Features(
     ep_overlap="both",
     moe_tp=("ep",),
     host_overhead_s=0.2,
+    uneven_stages=True,
 )
 
 
@@ -208,6 +218,7 @@ MEGASCALE_TRAINER = Features(
     moe_attention="tp",
     pp_scatter_gather=False,
     own_blocks=True,
+    uneven_stages=True,
 )
 
 
@@ -236,6 +247,7 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
         zero_stage=par.zero_stage if dp * par.cp > 1 else 1,
         recompute=par.activation_checkpoint,
         offload=par.activation_offload,
+        stage_split=par.pp_split,
         sequence_parallel=par.sequence_parallel,
         ep=par.ep * (par.tp if over_tp else 1),
         moe_tp="ep" if over_tp else "whole",

@@ -35,6 +35,7 @@ from megascale.plan.experts import (
     moe_layers,
 )
 from megascale.plan.job import Job, Layout
+from megascale.plan.stages import most_blocks
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
     """Parameters of the heaviest pipeline stage on one device (with the embedding or the output layer),
     by data-parallel group: the routed experts, held by fewer ranks, apart from the rest."""
     model = job.model
-    layers = model.n_layers / layout.pp
+    layers = most_blocks(job, layout)
     moe_blocks = min(layers, moe_layers(model))  # the heaviest stage holds MoE blocks first
     vocab = model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2)
     split = layout.tp if layout.attention == "tp" else 1  # "sp" holds every weight whole
@@ -175,7 +176,7 @@ def memory_per_device(
 
     weights, grads = held(precision.weight_bytes, 3), held(precision.grad_bytes, 2)
     optimizer = held(precision.optimizer_bytes, 1)
-    blocks = job.model.n_layers / layout.pp
+    blocks = most_blocks(job, layout)
     moe_blocks = min(blocks, moe_layers(job.model))
     if own_blocks:
         dense = trainer_block_bytes(job, layout, on_cpu)

@@ -60,7 +60,7 @@ def candidate_layouts(
             micro_batches = job.global_batch // (dp * micro_batch)
             if pp > 1 and micro_batches < pp:
                 continue
-            for virtual_stages in _virtual_stage_choices(job.model.n_layers, pp, micro_batches):
+            for virtual_stages in _virtual_stage_choices(job.model.n_layers, pp, micro_batches, features):
                 for zero_stage in features.zero_stages if dp * cp > 1 else (1,):
                     for recompute in recomputes:
                         base = Layout(
@@ -76,7 +76,8 @@ def _degrees(
     job: Job, devices: int, profile: HardwareProfile, features: Features
 ) -> list[tuple[int, int, int, int]]:
     """(tp, pp, cp, dp) of every legal split of the devices: TP within a node and dividing what it shards,
-    no more stages than layers, the batch dividing over dp."""
+    no more stages than layers (and as many layers on each, unless the system splits unevenly), the batch
+    dividing over dp."""
     model = job.model
     shapes = (model.dim, model.attention.n_heads, model.attention.n_kv_heads, model.vocab_size)
     degrees = []
@@ -86,7 +87,8 @@ def _degrees(
         for pp in divisors(devices // tp) if features.model_parallel else [1]:
             for cp in _context_choices(job, devices // (tp * pp), features):
                 dp = devices // (tp * pp * cp)
-                if pp <= model.n_layers and job.global_batch % dp == 0:
+                stages_fit = model.n_layers % pp == 0 or features.uneven_stages and pp <= model.n_layers
+                if stages_fit and job.global_batch % dp == 0:
                     degrees.append((tp, pp, cp, dp))
     return degrees
 
@@ -123,11 +125,16 @@ def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout
     return [choice for choice in chosen if not (layout_problem(job, choice) or context_problem(job, choice))]
 
 
-def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int) -> list[int]:
+def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features: Features) -> list[int]:
+    """Model chunks per pipeline rank: 1, and the interleaved counts whose pp x v stages the system can cut
+    the layers into (evenly, unless it splits unevenly) with the micro-batches a multiple of pp."""
     if pp == 1:
         return [1]
     interleaved = [
-        v for v in range(2, MAX_VIRTUAL_STAGES + 1) if n_layers % (pp * v) == 0 and micro_batches % pp == 0
+        v
+        for v in range(2, MAX_VIRTUAL_STAGES + 1)
+        if (n_layers % (pp * v) == 0 or features.uneven_stages and pp * v <= n_layers)
+        and micro_batches % pp == 0
     ]
     return [1, *interleaved]
 

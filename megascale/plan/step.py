@@ -63,6 +63,7 @@ from megascale.plan.experts import (
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.memory import Memory, memory_per_device, stage_param_groups
+from megascale.plan.stages import busiest_rank, most_blocks
 
 # Chunks an overlapped tensor-parallel collective is cut into (megascale's parallel.tp_chunks default,
 # MegaScale §3.2 Fig. 3); the first one's transfer is always exposed.
@@ -91,9 +92,12 @@ def estimate_step(
     if problem := layout_problem(job, layout) or context_problem(job, layout):
         raise ConfigError(f"plan: layout {layout.describe()}: {problem}")
     model, m = job.model, layout.micro_batches(job)
-    blocks = model.n_layers / layout.pp
-    moe_blocks = min(blocks, moe_layers(model))  # the slowest stage holds MoE blocks first
     dense = block_time(job, layout, profile, features.fused_kernels, None, features.attention_kernel)
+    output_s = output_layer_seconds(job, layout, profile)
+    busiest = busiest_rank(job, layout, dense.total_s, output_s)  # the pipeline runs at its pace
+    blocks = busiest.blocks
+    output_s *= busiest.output
+    moe_blocks = min(blocks, moe_layers(model))  # the slowest stage holds MoE blocks first
     kinds: list[tuple[float, BlockTime, MoEWork | None]] = [(blocks - moe_blocks, dense, None)]
     if moe_blocks:
         moe = moe_work(job, layout, profile, _gemm(job, profile))
@@ -110,7 +114,6 @@ def estimate_step(
         lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap) if moe else 0.0
     )
     cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # every block's attention
-    output_s = output_layer_seconds(job, layout, profile)
     pp_exposed_s = _pp_seconds(job, layout, profile, features)
     if features.pp_overlap:
         pp_exposed_s *= _pp_loop_share(layout)
@@ -317,7 +320,7 @@ def _dp_exposed_seconds(
     every micro-batch (FSDP with ZeRO-2/3), each micro-batch's own."""
     precision = job.precision
     gathers = 2 if layout.zero_stage >= 3 else 1  # ZeRO-3 gathers the weights again for the backward
-    units = job.model.n_layers / layout.pp + 1
+    units = most_blocks(job, layout) + 1
     sync_s = 0.0
     for group in stage_param_groups(job, layout):
         if group.ranks == 1:
@@ -357,5 +360,5 @@ def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> fl
     rest_s = profile.update_model_overhead_s
     rest_s += profile.tp_update_model_overhead_s if layout.tp > 1 else 0.0
     rest_s += profile.dp_update_model_overhead_s if layout.fsdp_ranks > 1 else 0.0
-    host_s = job.model.n_layers / layout.pp * per_block_s + rest_s
+    host_s = most_blocks(job, layout) * per_block_s + rest_s
     return (update_bytes + grad_bytes) / profile.hbm_bytes_per_s + host_s

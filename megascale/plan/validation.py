@@ -382,10 +382,11 @@ BLOOM = Source(
     convention="hardware FLOPs (SC'21 Eq. 3), % of 312 TFLOP/s; the iteration time as logged",
     # DeepSpeed's ZeRO-1 bf16 optimizer; the Megatron-DeepSpeed of 2022 had neither sequence parallelism nor
     # selective recomputation, and the run recomputed every block (its logged TFLOPs count it, SC'21 Eq. 3).
-    features=dataclasses.replace(MEGATRON_2021_SC21, zero_stages=(1,)),
+    # Its pipeline cuts 70 layers into 12 stages, so stages of unequal counts.
+    features=dataclasses.replace(MEGATRON_2021_SC21, zero_stages=(1,), uneven_stages=True),
     profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
     assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "
-    "by its 8 GPUs",
+    "by its 8 GPUs; the 70 layers 6 a stage, 5 on the last two (the last beside the output layer)",
 )
 
 
@@ -402,9 +403,11 @@ LLAMA3 = Source(
     "(sequence 131,072, context parallelism 16)",
     convention="BF16 model FLOPs (PaLM's: 6N + 12 L h s), % of 989 TFLOP/s",
     # FSDP keeping weights gathered; context parallelism all-gathers the keys and values, not overlapped.
-    features=dataclasses.replace(MEGATRON_CORE, zero_stages=(2,), cp_overlap=False),
+    features=dataclasses.replace(MEGATRON_CORE, zero_stages=(2,), cp_overlap=False, uneven_stages=True),
     profile=H100,
-    assumed="N = 405e9; interleaving with 2 virtual stages per rank (the paper does not give V); no "
+    assumed="N = 405e9; interleaving with 2 virtual stages per rank (the paper does not give V), its "
+    "126 layers one fewer on the first and the last stage (as the paper says: the stages balanced with "
+    "the embedding and the output layer, `stage_split` 'params'); no "
     "recomputation (the paper says none at 8K); FSDP keeping weights gathered (ZeRO-2); at 131,072: DP 8, "
     "as 16,384 GPUs over TP 8 x CP 16 x PP 16 leave (the table's DP 4 multiplies out to 8,192), and 128 "
     "sequences a step (16M tokens, as on the other rows); its all-gather of keys and values priced as "
@@ -417,11 +420,11 @@ def llama3() -> list[Published]:
     model = llama(16384, 126, 128, 8, 53248, 128256, 8192)
     rows = []
     for dp, tflops in ((64, 430), (128, 400)):
-        layout = Layout(8, 16, dp, 2, 1, 2, "selective", True)
+        layout = Layout(8, 16, dp, 2, 1, 2, "selective", True, stage_split="params")
         label, job = f"405B tp8 pp16 dp{dp} on {layout.devices:,}", (model, 8192, 2048)
         rows.append(published(LLAMA3, label, job, layout, palm_flops(405e9), tflops_per_gpu=tflops))
     long_context = llama(16384, 126, 128, 8, 53248, 128256, 131072)
-    layout = Layout(8, 16, 8, 2, 1, 2, "selective", True, cp=16)
+    layout = Layout(8, 16, 8, 2, 1, 2, "selective", True, cp=16, stage_split="params")
     label = f"405B tp8 pp16 dp8 cp16 on {layout.devices:,}, sequence 131,072"
     job = (long_context, 131072, 128)  # 16M tokens a step, as on the rows at 8,192
     rows.append(published(LLAMA3, label, job, layout, palm_flops(405e9), tflops_per_gpu=380))

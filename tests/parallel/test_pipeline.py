@@ -6,7 +6,8 @@ import pytest
 from megascale import config_space
 from megascale.models import sharding
 from megascale.models.llama import Transformer
-from megascale.parallel.pipeline import build_stage_module, split_layers, stage_ids_of, stage_layer_ranges
+from megascale.parallel.pipeline import build_stage_module, stage_layer_ranges
+from megascale.parallel.stages import split_layers, stage_ids_of
 from tests.parallel.parity_matrix import Matrix
 from tests.parallel.tiny import tiny_model_config
 

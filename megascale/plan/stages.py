@@ -1,0 +1,64 @@
+"""The blocks each pipeline rank holds, split as megascale's trainer splits them.
+
+`parallel.pp_split` cuts the layers into pp x v stages either in equal counts, the earlier stages taking
+the remainder ("uniform"), or balanced by parameters with the embedding counted toward the first stage and
+the output layer toward the last ("params", as Llama 3 ran 126 layers over 16 stages: one fewer on the
+first and on the last). `megascale.parallel.stages.split_layers` does the cutting for both the trainer
+and this model, so a pipeline whose layers do not divide evenly is priced by what its busiest rank holds,
+not by an average share of the layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megascale.errors import ConfigError
+from megascale.models.flops import matmul_params_per_layer
+from megascale.parallel.stages import split_layers, stage_ids_of
+from megascale.plan.job import Job, Layout
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one pipeline rank holds: its blocks over all its chunks, and whether the output layer."""
+
+    blocks: int
+    output: bool
+
+
+@functools.cache
+def _stage_sizes(layers: int, stages: int, first_extra: float, last_extra: float) -> tuple[int, ...]:
+    return tuple(len(r) for r in split_layers([1.0] * layers, stages, first_extra, last_extra))
+
+
+def rank_shares(job: Job, layout: Layout) -> list[RankShare]:
+    """Each pipeline rank's share, in rank order."""
+    model = job.model
+    stages = layout.pp * layout.virtual_stages
+    if stages > model.n_layers:
+        raise ConfigError(
+            f"plan: layout {layout.describe()}: {stages} pipeline stages for model.n_layers = "
+            f"{model.n_layers}; each stage needs a layer"
+        )
+    extra = 0.0
+    if layout.stage_split == "params":  # the embedding's and the output layer's weights, in blocks
+        extra = model.vocab_size * model.dim / (matmul_params_per_layer(model) + 2 * model.dim)
+    sizes = _stage_sizes(model.n_layers, stages, extra, extra)
+    schedule = "zbv" if layout.zero_bubble else "1f1b"
+    shares = []
+    for rank in range(layout.pp):
+        held = stage_ids_of(rank, layout.pp, layout.virtual_stages, schedule)
+        shares.append(RankShare(sum(sizes[stage] for stage in held), stages - 1 in held))
+    return shares
+
+
+def busiest_rank(job: Job, layout: Layout, block_s: float, output_s: float) -> RankShare:
+    """The rank whose micro-batch takes longest, at `block_s` a block and `output_s` for the output
+    layer: the pipeline runs at its pace."""
+    return max(rank_shares(job, layout), key=lambda share: share.blocks * block_s + share.output * output_s)
+
+
+def most_blocks(job: Job, layout: Layout) -> int:
+    """The most blocks any pipeline rank holds (what its memory must hold)."""
+    return max(share.blocks for share in rank_shares(job, layout))
