@@ -5,7 +5,10 @@ float32 weights), megascale's real `Trainer` is built beside a `LlamaForCausalLM
 intermediate, layer, head, kv-head and vocab sizes (SDPA attention, untied output). Hugging Face's side is
 a plain loop doing the same work per step: the same micro-batches (gradient accumulation), the same
 autocast, the same AdamW implementation (fused, as megascale's) with the same hyperparameters,
-`clip_grad_norm_` with the same max norm, `zero_grad`. After warm-up, timed steps alternate between the two
+`clip_grad_norm_` with the same max norm, `zero_grad`. The plain loop runs eager and megascale as its defaults
+run it: `training.compile` unset compiles its blocks where that was measured to win (a CPU bfloat16 run of
+100 steps or more: megascale.autocompile), reported as `<case>_megascale_compiled`; `--eager` runs both
+eager, `--compile` compiles both. After warm-up, timed steps alternate between the two
 (ours, HF, HF, ours, ...) so machine noise hits both alike. With `--processes 2` (the default) each side
 lives in a process of its own, spawned afresh, and the parent steps them in lockstep, one at a time:
 megascale's Trainer changes its whole process on CPU, which a plain loop in its own process would not
@@ -91,7 +94,8 @@ def job_config(model: str, dtype: str, bench: argparse.Namespace, run_dir: str |
         f"--training.dtype={dtype}",
         f"--training.threads={bench.threads}",
         f"--training.device={bench.device}",
-        f"--training.compile={str(bench.compile).lower()}",
+        # Unset unless asked: megascale's default compiles its blocks where that wins (megascale.autocompile).
+        *([f"--training.compile={str(bench.compile).lower()}"] if bench.compile or bench.eager else []),
         "--checkpoint.enabled=false",
         "--checkpoint.resume=false",
         "--metrics.progress=false",
@@ -265,6 +269,7 @@ def built_side(side: str, model: str, dtype: str, bench: argparse.Namespace) -> 
                 "step": trainer.train_step,
                 "device": trainer.device,
                 "params": num_params(cfg.model),
+                "compiled": trainer.compiled,
                 # The Trainer has set it on CPU; setting it again only reports whether it took.
                 "malloc_keeps_freed_memory": trainer.device.type == "cpu" and keep_freed_memory(),
             }
@@ -294,6 +299,7 @@ def measure_in_one_process(
         "peak_gib": memory.peak_gib,
         "device": ours["device"],
         "malloc_keeps_freed_memory": {"megascale": keeps, "hf": keeps},
+        "compiled": ours["compiled"],
     }
 
 
@@ -401,6 +407,7 @@ def measure_in_two_processes(
             "megascale": infos["megascale"]["malloc_keeps_freed_memory"],
             "hf": False,
         },
+        "compiled": infos["megascale"]["compiled"],
     }
 
 
@@ -414,7 +421,7 @@ def measure(model: str, dtype: str, bench: argparse.Namespace) -> dict[str, Any]
     tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak_tflops = peak_tflops_of(device, dtype, bench.threads)
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {f"{case}_megascale_compiled": float(measured["compiled"])}
     for name, samples in times_s["wall"].items():
         tokens_per_s = tokens_per_step / statistics.median(samples)
         figures[f"{case}_{name}_tokens_per_s"] = tokens_per_s
@@ -463,7 +470,14 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, of float32, bfloat16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', ... (training.device) for both")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    compiling = parser.add_mutually_exclusive_group()
+    compiling.add_argument("--compile", action="store_true", help="torch.compile both models")
+    compiling.add_argument(
+        "--eager",
+        action="store_true",
+        help="neither compiled (training.compile=false); by default the HF loop runs eager and megascale as "
+        "its defaults do (training.compile unset: compiled where it wins, megascale.autocompile)",
+    )
     parser.add_argument(
         "--processes",
         type=int,
@@ -565,7 +579,7 @@ def main() -> None:
         "processes_means": "each side in a spawned process of its own, stepped in lockstep"
         if args.processes == 2
         else "both sides in one process, stepped alternately",
-        "compile": args.compile,
+        "compile": "both" if args.compile else "neither" if args.eager else "megascale's default",
         "hf_adamw": args.hf_optimizer,
         "megascale_adamw": "fused",
         # megascale's Trainer sets it process-wide on CPU: with one process the Hugging Face loop has it too.

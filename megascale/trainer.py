@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from megascale.autocompile import compiles
 from megascale.checkpoint.checkpointer import Checkpointer
 from megascale.checkpoint.ledger import LEDGER
 from megascale.checkpoint.resume import check_before_start
@@ -179,6 +180,7 @@ class Trainer(Stateful):
                 model, training.fp8, all_gather=training.fp8_all_gather, exclude=exclude
             )
             precision += f" with {converted} float8 linear layers ({training.fp8})"
+        self.compiled = compiles(cfg, dims, self.device.type)  # training.compile, or where it wins
         self.model: ParallelModel = parallelize(
             model,
             dims,
@@ -186,18 +188,19 @@ class Trainer(Stateful):
             device=self.device,
             microbatches=self.grad_accum_steps,
             autocast_dtype=torch.bfloat16 if training.dtype == "bfloat16" else None,
-            compile_blocks=training.compile,
+            compile_blocks=self.compiled,
             float8_all_gather=training.fp8_all_gather,
         )
         self.optimizers = [build_optimizer(part, cfg.optim) for part in self.model.parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.optim, training.steps) for opt in self.optimizers]
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         log.info(
-            "model: %s parameters, %.1f MFLOPs/token; device %s, %s, %d threads%s",
+            "model: %s parameters, %.1f MFLOPs/token; device %s, %s%s, %d threads%s",
             f"{num_params(cfg.model):,}",
             self.flops_per_token / 1e6,
             self.device,
             precision,
+            ", compiled" if self.compiled else "",
             torch.get_num_threads(),
             f"; {dims.describe()}" if dims.world_size > 1 else "",
         )
