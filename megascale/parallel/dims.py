@@ -337,14 +337,6 @@ class ParallelDims:
         training, par = cfg.training, cfg.parallel
         if training.fp8 == "none":
             return
-        if training.compile and self.cp > 1:
-            fail(
-                "training.fp8",
-                training.fp8,
-                f"cannot be used with training.compile at parallel.cp = {self.cp}: on torch 2.13 a compiled "
-                "block with float8 layers and the context-parallel ring fails in its first step "
-                "(AttributeError: 'Tensor' object has no attribute 'wait'); set --training.compile=false",
-            )
         if self.tp > 1 and par.sequence_parallel and par.overlap.tp:
             fail(
                 "training.fp8",

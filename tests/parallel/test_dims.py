@@ -190,11 +190,6 @@ def test_dp_shard_takes_the_rest_of_the_world():
             "training.global_batch_size = 6 is not divisible by the data-parallel degree 4 (dp_replicate x "
             "dp_shard / cp)",
         ),
-        (
-            2,
-            ["--training.fp8=rowwise", "--parallel.cp=2", "--training.compile=true"],
-            "training.fp8 = 'rowwise' cannot be used with training.compile at parallel.cp = 2",
-        ),
         (3, [], "training.global_batch_size = 8 is not divisible by the data-parallel degree 3"),
         (
             2,
