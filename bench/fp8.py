@@ -40,6 +40,7 @@ def train(run_dir: Path, steps: int, extra: list[str]) -> list[dict]:
         "megascale.cli",
         "train",
         "--training.dtype=bfloat16",
+        "--training.compile=false",  # both eager, as the figures in docs/performance.md were measured
         f"--training.steps={steps}",
         "--training.val_every=50",
         "--training.log_every=1",

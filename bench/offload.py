@@ -43,6 +43,7 @@ CASES = {
     "fp32_8_layers": ["--model.n_layers=8"],
 }
 COMMON = [
+    "--training.compile=false",  # eager, as the memory model counts what autograd saves block by block
     "--training.global_batch_size=16",
     "--training.micro_batch_size=16",
     "--training.val_every=1000",
