@@ -7,7 +7,7 @@ Three kinds of work, each timed by what limits it:
   bandwidth; plus a fixed time per GEMM for its launch and tail, `gemm_half_flops` at that rate. A
   compute-bound GEMM of f FLOPs thus reaches `e(f) = e_max * f / (f + f_half)` of peak (the curve
   `bench/kernel_efficiency.py` fits), and a thin one (a router's, a small micro-batch's) is bound by its
-  bytes. Wave quantisation over the device's SMs is not modelled: it averages out over a block's GEMMs.
+  bytes. Wave quantisation over the device's SMs is not modelled.
 - Attention's two score matmuls, in a FlashAttention kernel that skips the masked half of a causal square:
   FlashAttention-2 (paper §3.3) at an achieved fraction of peak, FlashAttention-1 (what a system without
   the paper's operators runs) at half that speed. A sliding window (paper §3.1) caps the keys per query.
@@ -240,8 +240,8 @@ def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel
 
 def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
     """The vocabulary projection (on the last stage), forward + backward, and the host's time for the
-    model's parts outside its blocks (all of it counted on the slowest stage: the last, whose output
-    layer and loss cost the most)."""
+    model's parts outside its blocks; the step counts it on the pipeline rank that holds the output
+    layer, when that rank is the busiest (`megascale.plan.stages`)."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     host_s = profile.model_overhead_s + (profile.tp_model_overhead_s if layout.tp > 1 else 0.0)
     host_s += profile.dp_model_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0

@@ -175,7 +175,7 @@ def config_overrides(layout: Layout, rank_order: str, moe: bool = False, rope: b
         f"--parallel.pp_virtual_stages={layout.virtual_stages} "
         f"--parallel.pp_schedule={schedule} --training.micro_batch_size={layout.micro_batch}{zero} "
         f"--parallel.activation_checkpoint={layout.recompute} --parallel.rank_order={rank_order}"
-        + (" --parallel.pp_split=params" if layout.stage_split == "params" else "")
+        + (" --parallel.pp_split=params" if layout.pp > 1 and layout.stage_split == "params" else "")
         + (" --parallel.activation_offload=true" if layout.offload else "")
     )
 
