@@ -18,6 +18,7 @@ activation offload leaves a device only the blocks `offload_held_blocks` names.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +190,13 @@ def memory_per_device(
     if layout.offload:
         held_blocks = offload_held_blocks(layout, blocks, in_flight, fetch_ahead=not on_cpu)
         activations = per_micro_batch / blocks * held_blocks
+    if layout.recompute == "full":  # the block whose forward is recomputed holds all of it for its backward
+        whole = dataclasses.replace(layout, recompute="none")
+        moe = moe_blocks == blocks
+        if own_blocks and not moe:
+            activations += trainer_block_bytes(job, whole, on_cpu)
+        else:
+            activations += activation_bytes_per_block(job, whole, moe, materialized_scores)
     tokens = layout.micro_batch * layout.local_seq_len(job)
     logits = 2 * 4 * tokens * job.model.vocab_size / layout.tp  # fp32, and its grad
     return Memory(weights, grads, optimizer, activations + logits + ring_buffer_bytes(job, layout))

@@ -167,3 +167,20 @@ def test_offload_leaves_the_blocks_each_micro_batch_in_flight_keeps():
     assert pipelined == pytest.approx((2 + 1) * block + logits)  # 1F1B's 2 micro-batches in flight
     assert offload_held_blocks(Layout(virtual_stages=2), blocks=4, in_flight=2, fetch_ahead=True) == 4
     assert offload_held_blocks(Layout(), blocks=2, in_flight=1, fetch_ahead=True) == 1  # nothing to fetch
+
+
+def test_full_recomputation_holds_every_blocks_input_and_the_recomputed_block_whole():
+    """Under full recomputation a block keeps only its input, but the block in its backward recomputes
+    its forward and holds all of that until its gradients are done: the offload benchmark's full-
+    checkpoint run of the default model peaked at 111 MiB, about that plus its gradients, not at the
+    4 inputs (16 MiB) alone (docs/performance.md, "Activation offload")."""
+    s, b, h, layers = 32, 2, 64, 2
+    none, full = Layout(micro_batch=b, recompute="none"), Layout(micro_batch=b, recompute="full")
+    logits = 2 * 4 * b * s * 96
+    whole, kept = s * b * h * 34 * 2, s * b * h * 2 * 2
+    assert memory_per_device(JOB, none).activations_bytes == layers * whole + logits
+    assert memory_per_device(JOB, full).activations_bytes == layers * kept + whole + logits
+    from megascale.plan.memory import trainer_block_bytes
+
+    own = memory_per_device(JOB, full, own_blocks=True).activations_bytes
+    assert own == layers * trainer_block_bytes(JOB, full) + trainer_block_bytes(JOB, none) + logits
