@@ -10,7 +10,9 @@ back after ~60 steps on a warm cache and ~420 on a cold one. Unset, the blocks a
 a CPU run in bfloat16 of AUTO_MIN_STEPS steps or more (`training.steps`, or `stop_at_step` if it stops
 earlier), of a dense model, in a layout that allows it
 (`ParallelDims.validate` with compile on); an accelerator and MoE layers stay eager, as nothing measured
-them. `training.compile = true / false` decides outright.
+them. The speed-up was measured in one process; under data, pipeline and context parallelism the same
+blocks are compiled, which the parity matrix's compiled rows train to one process's losses.
+`training.compile = true / false` decides outright.
 """
 
 from __future__ import annotations
