@@ -6,11 +6,12 @@ each measuring every step's peak resident memory above what the process held whe
 VmHWM, reset before each step through /proc/self/clear_refs). glibc is told to map every allocation of 64
 KiB or more on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and the
 peak follows the live tensors. The measured saving is the difference of the median step peaks (steps 2-5);
-the predicted one is `megascale plan`'s memory model for the same job and layout (activations counted as
-megascale's blocks save them, `megascale.plan.memory`). The two runs' losses are compared bit for bit, and
-their CPU time per step gives offload's cost. On CPU offload writes to a spill file (the kernel's page
-cache), which the process's resident memory does not count. Prints one `name value` line per figure and
-writes them as JSON.
+the predicted one is `megascale plan`'s memory model for the same job and layout: its activations and
+gradients at the step's peak, the activations counted as megascale's blocks save them and the peak found
+among the moments of the step's one backward (`megascale.plan.memory`). The two runs' losses are
+compared bit for bit, and their CPU time per step gives offload's cost. On CPU offload writes to a
+spill file (the kernel's page cache), which the process's resident memory does not count. Prints one
+`name value` line per figure and writes them as JSON.
 
     python bench/offload.py                      # about 80 seconds; writes bench/results/offload.json
 """
@@ -96,7 +97,9 @@ def run_case(overrides: list[str]) -> dict[str, Any]:
 
 
 def predicted_bytes(overrides: list[str], offload: bool) -> float:
-    """The planner's activation memory for the job, on this CPU (no block fetched ahead)."""
+    """The planner's activations and gradients at the step's peak, on this CPU (no block fetched ahead):
+    what a step adds to what it starts with (the step's single micro-batch makes its gradients in its
+    backward, `megascale.plan.memory.backward_moments`)."""
     from megascale.config import load_config
     from megascale.plan.job import job_from_config, layout_from_config
     from megascale.plan.memory import memory_per_device
@@ -104,7 +107,8 @@ def predicted_bytes(overrides: list[str], offload: bool) -> float:
     flag = [f"--parallel.activation_offload={str(offload).lower()}"]
     cfg = load_config(CONFIG, [*COMMON, *overrides, *flag])
     job, layout = job_from_config(cfg), layout_from_config(cfg, 1)
-    return memory_per_device(job, layout, own_blocks=True, on_cpu=True).activations_bytes
+    memory = memory_per_device(job, layout, own_blocks=True, on_cpu=True)
+    return memory.activations_bytes + memory.grads_bytes
 
 
 def main() -> None:

@@ -41,7 +41,8 @@ from megascale.plan.stages import most_blocks
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per device, by what they hold."""
+    """Bytes per device at the step's peak, by what they hold (the gradients made by then: all of them but
+    in a step of one micro-batch without a pipeline, `backward_moments`)."""
 
     weights_bytes: float
     grads_bytes: float
@@ -186,20 +187,58 @@ def memory_per_device(
     per_micro_batch = (blocks - moe_blocks) * dense
     per_micro_batch += moe_blocks * activation_bytes_per_block(job, layout, True, materialized_scores)
     in_flight = micro_batches_in_flight(job, layout)
-    activations = per_micro_batch * in_flight
+    held_blocks = blocks * in_flight
     if layout.offload:
         held_blocks = offload_held_blocks(layout, blocks, in_flight, fetch_ahead=not on_cpu)
-        activations = per_micro_batch / blocks * held_blocks
+    working = 0.0
     if layout.recompute == "full":  # the block whose forward is recomputed holds all of it for its backward
         whole = dataclasses.replace(layout, recompute="none")
         moe = moe_blocks == blocks
         if own_blocks and not moe:
-            activations += trainer_block_bytes(job, whole, on_cpu)
+            working = trainer_block_bytes(job, whole, on_cpu)
         else:
-            activations += activation_bytes_per_block(job, whole, moe, materialized_scores)
+            working = activation_bytes_per_block(job, whole, moe, materialized_scores)
     tokens = layout.micro_batch * layout.local_seq_len(job)
     logits = 2 * 4 * tokens * job.model.vocab_size / layout.tp  # fp32, and its grad
-    return Memory(weights, grads, optimizer, activations + logits + ring_buffer_bytes(job, layout))
+    saved = per_micro_batch / blocks
+    other = ring_buffer_bytes(job, layout)
+    if layout.pp > 1 or layout.micro_batches(job) > 1:  # every gradient is there from the first backward on
+        return Memory(weights, grads, optimizer, saved * held_blocks + working + logits + other)
+    moments = backward_moments(job, layout, grads, saved, working, blocks, fetch_ahead=not on_cpu)
+    moments.append((saved * held_blocks + logits, 0.0))  # the loss: every forward done, no gradient yet
+    at_peak, made = max(moments, key=sum)
+    return Memory(weights, made, optimizer, at_peak + other)
+
+
+def backward_moments(
+    job: Job,
+    layout: Layout,
+    grads: float,
+    saved: float,
+    working: float,
+    blocks: int,
+    fetch_ahead: bool,
+) -> list[tuple[float, float]]:
+    """(activations held, gradients made) in each block's backward, the last block's first, of a step of
+    one micro-batch without a pipeline, whose gradients appear block by block as the activations go (its
+    peak is one of these moments or the loss, `memory_per_device`). Without offload block i's backward
+    still holds what blocks 0..i saved; with it, the last block holds its own, and another block what
+    autograd reads back: on a CPU one tensor at a time (`megascale.parallel.offload` reads each when its
+    node needs it), except a recomputed block's input, which comes back whole; on an accelerator the
+    block and the one fetched ahead of it. `working` is a recomputed block's whole forward. The gradients
+    outside the blocks (the output layer's, the embedding's) count from the first moment."""
+    model = job.model
+    vocab = model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) / layout.tp
+    per_block = grads * (1 - vocab / stage_params(job, layout)) / blocks
+    moments = []
+    for block in reversed(range(blocks)):
+        held = saved * (block + 1)
+        if layout.offload and block < blocks - 1:
+            held = saved * (2 if fetch_ahead else 1 if layout.recompute == "full" else 0)
+        elif layout.offload:
+            held = saved
+        moments.append((held + working, grads - per_block * block))
+    return moments
 
 
 def offload_held_blocks(layout: Layout, blocks: float, in_flight: float, fetch_ahead: bool) -> float:

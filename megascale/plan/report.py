@@ -235,7 +235,7 @@ def explain_lines(plan: Plan, profile: HardwareProfile) -> list[str]:
     lines.append(f"  {'step':<14} {estimate.step_s:>11.4g} s")
     memory = estimate.memory
     lines.append(
-        "memory per device: "
+        "memory per device at the step's peak: "
         + ", ".join(
             f"{name} {value / 1e9:.2f} GB"
             for name, value in (

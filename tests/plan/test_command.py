@@ -57,7 +57,7 @@ def test_explain_lists_every_term_memory_and_the_profile(capsys):
         "host",
     ):
         assert f"\n  {term} " in out
-    assert "memory per device: weights" in out and "source: NVIDIA A100 datasheet" in out
+    assert "memory per device at the step's peak: weights" in out and "source: NVIDIA A100 datasheet" in out
     assert "\n  gemm_efficiency = 0.68  fraction of peak a large GEMM reaches" in out
     assert "\n  compute.FLOAT8_CAST_BYTES = 5  Bytes of memory traffic" in out
 

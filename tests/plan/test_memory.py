@@ -184,3 +184,26 @@ def test_full_recomputation_holds_every_blocks_input_and_the_recomputed_block_wh
 
     own = memory_per_device(JOB, full, own_blocks=True).activations_bytes
     assert own == layers * trainer_block_bytes(JOB, full) + trainer_block_bytes(JOB, none) + logits
+
+
+def test_a_single_micro_batch_peaks_where_held_activations_and_gradients_made_weigh_most():
+    """One micro-batch, no pipeline: the gradients appear block by block in the backward as activations
+    go. Without checkpointing the peak is at the loss (every block's activations and the logits, no
+    gradient yet) or in the last block's backward (every block's activations, the output layer's
+    gradients and the last block's), whichever is more; under full checkpointing with offload it is in
+    block 0's backward, every gradient made beside one input and the recomputed block, as the offload
+    benchmark measured it (bench/offload.py: saving 3.6 MiB measured, 3.56 predicted, where the
+    activations alone would say 12)."""
+    from megascale.plan.memory import trainer_block_bytes
+
+    job = dataclasses.replace(JOB, global_batch=2)
+    s, b, h, layers = 32, 2, 64, 2
+    logits, activations = 2 * 4 * b * s * 96, layers * s * b * h * 34 * 2
+    plain = memory_per_device(job, Layout(micro_batch=b, recompute="none"))
+    at_loss, in_last_block = activations + logits, activations + 4 * (EMBEDDINGS + BLOCK)
+    assert plain.activations_bytes + plain.grads_bytes == max(at_loss, in_last_block)
+    full = Layout(micro_batch=b, recompute="full", offload=True)
+    peak = memory_per_device(job, full, own_blocks=True, on_cpu=True)
+    whole = trainer_block_bytes(job, dataclasses.replace(full, recompute="none"), on_cpu=True)
+    assert peak.activations_bytes == pytest.approx(trainer_block_bytes(job, full) + whole)
+    assert peak.grads_bytes == pytest.approx(memory_per_device(JOB, full).grads_bytes)  # all of them
