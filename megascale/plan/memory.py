@@ -225,18 +225,19 @@ def backward_moments(
     still holds what blocks 0..i saved; with it, the last block holds its own, and another block what
     autograd reads back: on a CPU one tensor at a time (`megascale.parallel.offload` reads each when its
     node needs it), except a recomputed block's input, which comes back whole; on an accelerator the
-    block and the one fetched ahead of it. `working` is a recomputed block's whole forward. The gradients
-    outside the blocks (the output layer's, the embedding's) count from the first moment."""
+    block whole, and the one fetched ahead of it (for every block but the first). `working` is a
+    recomputed block's whole forward. The gradients outside the blocks (the output layer's, the
+    embedding's) count from the first moment."""
     model = job.model
     vocab = model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) / layout.tp
     per_block = grads * (1 - vocab / stage_params(job, layout)) / blocks
     moments = []
     for block in reversed(range(blocks)):
         held = saved * (block + 1)
-        if layout.offload and block < blocks - 1:
-            held = saved * (2 if fetch_ahead else 1 if layout.recompute == "full" else 0)
-        elif layout.offload:
-            held = saved
+        if layout.offload:
+            whole = block == blocks - 1 or fetch_ahead or layout.recompute == "full"
+            ahead = fetch_ahead and block > 0
+            held = saved * (whole + ahead)
         moments.append((held + working, grads - per_block * block))
     return moments
 
