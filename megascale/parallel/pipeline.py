@@ -11,7 +11,8 @@ transfer; they split each backward into the input gradient (on the critical path
 (deferred into what would be the bubble).
 
 torch.distributed.pipelining provides the stages, the p2p exchange and the schedules; this module adds the
-layer split (uniform, or balanced by parameter count) and the mapping from our config words to schedules.
+layer split (uniform, or balanced by parameter count: `parallel/stages.py`, which the planner prices
+stages with too) and the mapping from our config words to schedules.
 Every rank builds the whole model first and then drops what it does not own, so initialisation is identical
 to a single process's; a model larger than host memory would need meta-device initialisation (not yet).
 """
