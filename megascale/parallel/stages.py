@@ -27,6 +27,10 @@ def split_layers(
     n = len(weights)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} layers into {num_stages} stages (each needs one layer)")
+    if not first_extra and not last_extra and len(set(weights)) == 1:  # what the programme below finds
+        base, remainder = divmod(n, num_stages)
+        ends = [0, *itertools.accumulate(base + (stage < remainder) for stage in range(num_stages))]
+        return [range(start, end) for start, end in zip(ends, ends[1:])]
     prefix = [0, *itertools.accumulate(weights)]
 
     def cost(stage: int, start: int, end: int) -> float:

@@ -109,3 +109,14 @@ def test_a_zero_bubble_schedule_over_four_ranks_trains_the_model_of_one_process(
     result = Matrix(tiny_corpus, tmp_path, steps=4).run(0, row)
     assert result.status == "matched", result.message
     assert result.loss < 1e-5 and result.resumed < 1e-5
+
+
+def test_equal_layers_split_as_the_programme_would_split_them():
+    """Equal weights without extras take a closed form (the planner splits thousands of layouts); it is the
+    dynamic programme's answer, which near-equal weights still go through."""
+    for layers in range(1, 40):
+        for stages in range(1, layers + 1):
+            nudged = [1.0] * (layers - 1) + [1.0 + 1e-9]  # not all equal: the programme
+            assert [len(r) for r in split_layers([1] * layers, stages)] == [
+                len(r) for r in split_layers(nudged, stages)
+            ], (layers, stages)
