@@ -82,9 +82,9 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 def gemm_seconds(m: float, k: float, n: float, profile: HardwareProfile, dtype: str) -> float:
     """One [m, k] x [k, n] GEMM on the roofline: its FLOPs or its bytes, whichever takes longer, plus the
     launch and tail every kernel pays."""
-    element = ELEMENT_BYTES[dtype]
+    rate, element = gemm_rate(profile, dtype), ELEMENT_BYTES[dtype]
     memory_s = ((m * k + k * n) * element + m * n * max(element, 2)) / profile.hbm_bytes_per_s
-    return gemm_compute_seconds(max(2 * m * k * n, memory_s * gemm_rate(profile, dtype)), profile, dtype)
+    return max(2 * m * k * n / rate, memory_s) + profile.gemm_half_flops / rate
 
 
 def gemm_rate(profile: HardwareProfile, dtype: str) -> float:

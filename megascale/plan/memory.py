@@ -70,10 +70,9 @@ def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
     model = job.model
     layers = most_blocks(job, layout)
     moe_blocks = min(layers, moe_layers(model))  # the heaviest stage holds MoE blocks first
-    vocab = model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2)
     split = layout.tp if layout.attention == "tp" else 1  # "sp" holds every weight whole
     dense_block = matmul_params_per_layer(model) + 2 * model.dim
-    rest = ((layers - moe_blocks) * dense_block + vocab) / split
+    rest = (layers - moe_blocks) * dense_block / split + vocab_params(job, layout)
     groups = [ParamGroup(0.0, layout.fsdp_ranks * (layout.tp // split), split)]
     if moe_blocks:
         shared, routed = moe_block_params(job, layout)
@@ -82,6 +81,14 @@ def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
         groups.append(ParamGroup(moe_blocks * routed, *expert_data_parallel(layout)))
     groups[0] = ParamGroup(rest, groups[0].ranks, groups[0].stride)
     return groups
+
+
+def vocab_params(job: Job, layout: Layout) -> float:
+    """The embedding's and the output layer's parameters on the heaviest stage's device (one matrix when
+    they are tied or a pipeline puts them on different stages)."""
+    model = job.model
+    split = layout.tp if layout.attention == "tp" else 1
+    return model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2) / split
 
 
 def stage_params(job: Job, layout: Layout) -> float:
@@ -204,16 +211,17 @@ def memory_per_device(
     other = ring_buffer_bytes(job, layout)
     if layout.pp > 1 or layout.micro_batches(job) > 1:  # every gradient is there from the first backward on
         return Memory(weights, grads, optimizer, saved * held_blocks + working + logits + other)
-    moments = backward_moments(job, layout, grads, saved, working, blocks, fetch_ahead=not on_cpu)
+    block_grads = grads * (1 - vocab_params(job, layout) / sum(g.params for g in groups)) / blocks
+    moments = backward_moments(layout, grads, block_grads, saved, working, blocks, fetch_ahead=not on_cpu)
     moments.append((saved * held_blocks + logits, 0.0))  # the loss: every forward done, no gradient yet
     at_peak, made = max(moments, key=sum)
     return Memory(weights, made, optimizer, at_peak + other)
 
 
 def backward_moments(
-    job: Job,
     layout: Layout,
     grads: float,
+    block_grads: float,
     saved: float,
     working: float,
     blocks: int,
@@ -226,11 +234,8 @@ def backward_moments(
     autograd reads back: on a CPU one tensor at a time (`megascale.parallel.offload` reads each when its
     node needs it), except a recomputed block's input, which comes back whole; on an accelerator the
     block whole, and the one fetched ahead of it (for every block but the first). `working` is a
-    recomputed block's whole forward. The gradients outside the blocks (the output layer's, the
-    embedding's) count from the first moment."""
-    model = job.model
-    vocab = model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) / layout.tp
-    per_block = grads * (1 - vocab / stage_params(job, layout)) / blocks
+    recomputed block's whole forward; `block_grads` one block's share of `grads`. The gradients outside
+    the blocks (the output layer's, the embedding's) count from the first moment."""
     moments = []
     for block in reversed(range(blocks)):
         held = saved * (block + 1)
@@ -238,7 +243,7 @@ def backward_moments(
             whole = block == blocks - 1 or fetch_ahead or layout.recompute == "full"
             ahead = fetch_ahead and block > 0
             held = saved * (whole + ahead)
-        moments.append((held + working, grads - per_block * block))
+        moments.append((held + working, grads - block_grads * block))
     return moments
 
 
