@@ -1,10 +1,7 @@
 """The C allocator of a CPU training process: keep freed memory for the next step instead of returning it.
 
-PyTorch's CPU tensors come from glibc's malloc, which by default maps each allocation above a threshold
-(raised dynamically up to 32 MiB) on its own, unmaps it when freed and trims the heap's free top, so every
-step's activations land in freshly mapped pages that the kernel faults in and zeroes 4 KiB at a time.
-torch has no setting for this (its CPU allocator is the C library's), so it is set here with glibc's
-`mallopt`.
+PyTorch's CPU tensors come from glibc's malloc, and torch has no setting for how it maps and returns
+memory (`keep_freed_memory` says why that matters), so it is set here with glibc's `mallopt`.
 """
 
 from __future__ import annotations

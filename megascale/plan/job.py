@@ -101,7 +101,8 @@ class Layout:
     # embedding and the output layer counted toward the first and the last stage ("params").
     stage_split: str = "uniform"
     # Activation offload (megascale's parallel.activation_offload): every block but each chunk's last moves
-    # what it keeps off the device until its backward, which fetches it back one block ahead.
+    # what it keeps off the device until its backward, which fetches it back (one block ahead on an
+    # accelerator; on a CPU when autograd asks for it).
     offload: bool = False
 
     @property
