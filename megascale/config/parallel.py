@@ -137,9 +137,10 @@ class ParallelConfig:
     )
     activation_offload: bool = option(
         False,
-        "Move what each block keeps for its backward off the device during the forward and fetch it back, "
-        "one block ahead, in the backward: to pinned host memory on an accelerator, to a spill file in "
-        "$TMPDIR on CPU. With activation_checkpoint = 'full' it offloads the one input each block keeps.",
+        "Move what each block keeps for its backward off the device during the forward and fetch it back "
+        "in the backward: to pinned host memory on an accelerator, fetched one block ahead; to a spill file "
+        "in $TMPDIR on CPU, read when autograd asks. With activation_checkpoint = 'full' it offloads the one "
+        "input each block keeps.",
     )
     rank_order: str = option(
         "tp-dp-pp",
