@@ -113,7 +113,8 @@ class TrainingConfig:
     seed: int = option(0, "Seed for weights, data order and every other random choice.", ge=0)
     dtype: str = option(
         "float32",
-        "Compute precision: float32, or bfloat16 autocast (weights and optimizer state stay float32).",
+        "Compute precision: float32, or bfloat16 autocast (weights and optimizer state stay float32; FSDP "
+        "gathers bfloat16 copies of the blocks' weights, half the bytes, and reduces gradients in float32).",
         choices=("float32", "bfloat16"),
     )
     fp8: str = option(

@@ -22,14 +22,14 @@ from megascale.config import ModelConfig, head_dim_of
 from megascale.models.attention import WholeSequenceAttention
 from megascale.models.feed_forward import FeedForward
 from megascale.models.moe import MoE
-from megascale.models.norm import RMSNorm
+from megascale.models.norm import LayerNorm, RMSNorm
 from megascale.models.rope import apply_rope, rope_tables
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.dim, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
+    return LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
 
 
 class Attention(nn.Module):

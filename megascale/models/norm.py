@@ -6,6 +6,10 @@ time on 2 threads, where the closed-form gradient below takes ~2 ms. A Llama blo
 the model one more, run on the float32 residual stream also under bfloat16 autocast. Elsewhere (CUDA, which
 has a fused kernel; other dtypes; DTensors under tensor parallelism; inside torch.compile, which fuses the
 chain itself) this is `nn.RMSNorm`.
+
+A norm's gain is applied in float32 whatever its parameter's dtype: under bfloat16 compute FSDP gathers
+bfloat16 copies of a block's parameters (parallel/data.py), and the norm widens its copy back, so that it
+computes as on the float32 master (torch's CPU LayerNorm refuses a weight of another dtype than its input).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
 
 
 class RMSNorm(nn.RMSNorm):
@@ -22,7 +27,7 @@ class RMSNorm(nn.RMSNorm):
     faster: float32 input and weight on CPU, outside torch.compile."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight = _widened(self.weight)
         if (
             x.device.type != "cpu"
             or x.dtype != torch.float32
@@ -32,9 +37,24 @@ class RMSNorm(nn.RMSNorm):
             or isinstance(weight, DTensor)
             or torch.compiler.is_compiling()
         ):
-            return super().forward(x)
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return _RMSNormFunction.apply(x, weight, eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` with its gain and bias applied in float32 (a bfloat16 copy widened)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = _widened(self.weight), _widened(self.bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+def _widened(param: torch.Tensor | None) -> torch.Tensor | None:
+    """`param` in float32: a lower-precision copy of a float32 master (FSDP's gather) is cast back."""
+    if param is None or param.dtype.itemsize >= 4:
+        return param
+    return param.float()
 
 
 class _RMSNormFunction(torch.autograd.Function):

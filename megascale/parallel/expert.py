@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from megascale.models.moe import GroupedExperts, MoE, grouped_mlp
@@ -276,15 +276,16 @@ def apply_expert_parallel(
     reshard: bool,
     chunks: int,
     wire: torch.dtype | None,
+    gathers: MixedPrecisionPolicy | None = None,
 ) -> set[nn.Parameter]:
     """Every MoE layer of `part`, in place: its experts split over expert_mesh['ep'] (whose tokens are
     those of `data_ranks` data-parallel ranks' batches) and FSDP-sharded over expert_mesh['edp'],
     replicated over its 'dp_replicate' when it has one (HSDP; `reshard`: freed after forward, as ZeRO-3
-    does); the slots travel in `chunks` chunks, in `wire` precision (None: their own). Collective over the
-    expert mesh; apply before the blocks' FSDP, on identical models. Where no other rank holds the same
-    experts there is nothing for FSDP to shard or reduce: the experts' parameters are returned, for the
-    blocks' FSDP to leave alone, instead of being wrapped in a unit of one rank (which would gather and
-    free them every micro-batch for nothing)."""
+    does; gathered as `gathers` says, as the blocks are); the slots travel in `chunks` chunks, in `wire`
+    precision (None: their own). Collective over the expert mesh; apply before the blocks' FSDP, on
+    identical models. Where no other rank holds the same experts there is nothing for FSDP to shard or
+    reduce: the experts' parameters are returned, for the blocks' FSDP to leave alone, instead of being
+    wrapped in a unit of one rank (which would gather and free them every micro-batch for nothing)."""
     ep_mesh = expert_mesh["ep"]
     names = expert_mesh.mesh_dim_names or ()
     data_dims = ("dp_replicate", "edp") if "dp_replicate" in names else "edp"  # HSDP, or FSDP
@@ -306,5 +307,10 @@ def apply_expert_parallel(
         if data_mesh.size() == 1:
             alone.update(experts.parameters())
         else:
-            fully_shard(experts, mesh=data_mesh, reshard_after_forward=reshard)
+            fully_shard(
+                experts,
+                mesh=data_mesh,
+                reshard_after_forward=reshard,
+                mp_policy=gathers or MixedPrecisionPolicy(),
+            )
     return alone

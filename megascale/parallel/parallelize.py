@@ -20,7 +20,7 @@ from megascale.models import sharding
 from megascale.models.moe import MoE
 from megascale.parallel.activation import apply_activation_checkpointing
 from megascale.parallel.context import apply_context_parallel
-from megascale.parallel.data import apply_fsdp
+from megascale.parallel.data import apply_fsdp, block_gathers
 from megascale.parallel.data_overlap import GradientReductions
 from megascale.parallel.dims import ParallelDims
 from megascale.parallel.expert import apply_expert_parallel
@@ -61,7 +61,7 @@ def parallelize(
     routed = any(isinstance(module, MoE) for module in model.modules())  # before a stage drops layers
     offload = ActivationOffload(device) if par.activation_offload else None  # one for all stages
     if dims.pp == 1:
-        _shard(model, dims, par, compile_blocks, reductions, float8_all_gather, offload)
+        _shard(model, dims, par, compile_blocks, reductions, float8_all_gather, offload, autocast_dtype)
         return ParallelModel(
             [model],
             device=device,
@@ -78,7 +78,7 @@ def parallelize(
     stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages, par.pp_schedule)
     parts = _stages(model, stage_ids, num_stages, par)
     for part in parts:
-        _shard(part, dims, par, compile_blocks, reductions, float8_all_gather, offload)
+        _shard(part, dims, par, compile_blocks, reductions, float8_all_gather, offload, autocast_dtype)
     group = dims.sub_mesh("pp").get_group()
     schedule = partial(
         build_schedule,
@@ -143,10 +143,12 @@ def _shard(
     reductions: GradientReductions | None,
     float8_all_gather: bool = False,
     offload: ActivationOffload | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> None:
     """One model part, in place: tensor + sequence parallelism, context parallelism's ring attention,
     activation checkpointing, per-block compilation, activation offload, expert parallelism, FSDP (its
-    float8 weights gathered as bytes where the backend has no float8 type)."""
+    blocks gathered in the compute precision, its float8 weights as bytes where the backend has no float8
+    type)."""
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
@@ -177,6 +179,7 @@ def _shard(
             reshard=par.zero_stage == 3,
             chunks=2 if par.overlap.ep else 1,
             wire=getattr(torch, par.ep_comm_dtype),
+            gathers=block_gathers(compute_dtype),
         )
     if dims.fsdp_ranks > 1:
         apply_fsdp(
@@ -187,6 +190,7 @@ def _shard(
             overlap=par.overlap.dp,
             reductions=reductions,
             ignored=alone,
+            compute_dtype=compute_dtype,
         )
         if float8_all_gather and dist.get_backend(dims.fsdp_mesh().get_group(0)) == "gloo":
             gather_float8_as_bytes(list(part.modules()))

@@ -17,16 +17,27 @@ from megascale.config.parallel import V_SCHEDULES
 class Precision:
     """Bytes per parameter of each copy the training state keeps, and per activation element."""
 
-    weight_bytes: int  # the weights the forward reads (and data parallelism all-gathers)
+    weight_bytes: int  # the weights the model holds (and data parallelism all-gathers)
     grad_bytes: int  # gradients as accumulated and reduce-scattered
     optimizer_bytes: int  # optimizer state per parameter (fp32 master copy + moments)
     activation_bytes: int
+    # A block's weights as data parallelism all-gathers them, where that is a narrower copy of the
+    # weights held (None: the weights themselves).
+    gathered_block_bytes: int | None = None
+
+    @property
+    def block_gather_bytes(self) -> int:
+        return self.gathered_block_bytes or self.weight_bytes
 
 
 # Megatron-LM mixed precision: bf16 weights, fp32 main gradients, fp32 master weights + Adam moments.
 MIXED_BF16 = Precision(weight_bytes=2, grad_bytes=4, optimizer_bytes=12, activation_bytes=2)
-# megascale: fp32 weights and optimizer state, bf16 autocast or fp32 compute (training.dtype).
+# megascale: fp32 weights and optimizer state, fp32 compute or bf16 autocast (training.dtype); under bf16
+# its FSDP gathers bf16 copies of the blocks' weights (parallel/data.py), the rest of the model in fp32.
 FP32_WEIGHTS = Precision(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+FP32_WEIGHTS_BF16_GATHERS = Precision(
+    weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, gathered_block_bytes=2
+)
 
 
 @dataclass(frozen=True)
@@ -264,6 +275,6 @@ def job_from_config(cfg: JobConfig) -> Job:
         cfg.data.seq_len,
         training.global_batch_size,
         training.dtype,
-        FP32_WEIGHTS,
+        FP32_WEIGHTS_BF16_GATHERS if training.dtype == "bfloat16" else FP32_WEIGHTS,
         fp8=training.fp8 != "none",
     )

@@ -91,6 +91,12 @@ def vocab_params(job: Job, layout: Layout) -> float:
     return model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2) / split
 
 
+def gathers_copies(job: Job, layout: Layout) -> bool:
+    """Whether data parallelism gathers narrower copies of the blocks' weights than it holds (megascale's
+    FSDP under bfloat16): its masters are then sharded whatever the ZeRO stage."""
+    return job.precision.gathered_block_bytes is not None and layout.fsdp_ranks > 1
+
+
 def stage_params(job: Job, layout: Layout) -> float:
     """Parameters of the heaviest pipeline stage on one device."""
     return sum(group.params for group in stage_param_groups(job, layout))
@@ -152,7 +158,9 @@ def trainer_block_bytes(job: Job, layout: Layout, on_cpu: bool = False) -> float
     per_token += attention * (2 * q + 2 * kv) / t + 4 * model.attention.n_heads / t
     per_token += (a * q if attention != a else 0) / t  # the output, cast back for the projection
     per_token += (4 if swiglu else 2) * a * f / t
-    weight_casts = 2 * matmul_params_per_layer(model) / t if cast else 0.0
+    # Autocast's casts of the weights, kept by the graph; FSDP's gathered copies need none (and are counted
+    # as weights, or freed after the forward under ZeRO-3).
+    weight_casts = 2 * matmul_params_per_layer(model) / t if cast and not gathers_copies(job, layout) else 0.0
     return tokens * per_token + weight_casts
 
 
@@ -184,6 +192,12 @@ def memory_per_device(
         return sum(g.params * nbytes / (g.ranks if zero >= sharded_from else 1) for g in groups)
 
     weights, grads = held(precision.weight_bytes, 3), held(precision.grad_bytes, 2)
+    if gathers_copies(job, layout):  # float32 masters sharded, bfloat16 copies gathered whole below ZeRO-3
+        weights = held(precision.weight_bytes, 1)
+        if zero < 3:
+            rest = vocab_params(job, layout)
+            weights += sum(g.params for g in groups if g.ranks > 1) * precision.block_gather_bytes
+            weights += rest * (precision.weight_bytes - precision.block_gather_bytes)
     optimizer = held(precision.optimizer_bytes, 1)
     blocks = most_blocks(job, layout)
     moe_blocks = min(blocks, moe_layers(job.model))

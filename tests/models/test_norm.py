@@ -1,10 +1,12 @@
-"""megascale's RMSNorm against torch's `nn.RMSNorm`, and its hand-written backward against autograd."""
+"""megascale's RMSNorm against torch's `nn.RMSNorm`, and its hand-written backward against autograd; both
+norms with a bfloat16 copy of their gain (FSDP's gather under bfloat16 compute) compute as on its float32
+value."""
 
 import pytest
 import torch
 from torch import nn
 
-from megascale.models.norm import RMSNorm, _RMSNormFunction
+from megascale.models.norm import LayerNorm, RMSNorm, _RMSNormFunction
 
 
 def twin_norms(dim: int, eps: float | None = 1e-5) -> tuple[RMSNorm, nn.RMSNorm]:
@@ -55,3 +57,23 @@ def test_same_state_dict_as_torchs():
     ours, torchs = twin_norms(8)
     assert ours.state_dict().keys() == torchs.state_dict().keys()
     torchs.load_state_dict(ours.state_dict())
+
+
+@pytest.mark.parametrize("norm", [RMSNorm, LayerNorm])
+def test_a_bfloat16_gain_is_applied_in_float32(norm):
+    """Under bfloat16 autocast, float32 residual stream: the gain's bfloat16 copy gives what its value in
+    float32 gives (output and input gradient), and its gradient is that one's, rounded to bfloat16."""
+    generator = torch.Generator().manual_seed(0)
+    x, upstream = torch.randn(2, 9, 32, generator=generator), torch.randn(2, 9, 32, generator=generator)
+    copied, widened = norm(32), norm(32)
+    with torch.no_grad():
+        gain = torch.randn(32, generator=generator).bfloat16()
+        copied.weight = nn.Parameter(gain)
+        widened.weight.copy_(gain.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grad_x, grad_gain = forward_and_grads(copied, x, upstream)
+        expected_out, expected_grad_x, expected_grad_gain = forward_and_grads(widened, x, upstream)
+    assert out.dtype == torch.float32 and grad_gain.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    torch.testing.assert_close(grad_x, expected_grad_x, rtol=0, atol=0)
+    torch.testing.assert_close(grad_gain, expected_grad_gain.bfloat16(), rtol=0, atol=0)

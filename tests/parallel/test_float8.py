@@ -37,21 +37,37 @@ def test_every_linear_layer_but_the_excluded_is_converted():
     assert any(".shared." in name for name in converted) and "layers.0.attention.wq" in converted
 
 
-def _gathered_bytes(rank: int, world: int, all_gather: bool) -> tuple[int, int, int]:
+def _gathered_bytes(rank: int, world: int, all_gather: bool, dtype: str) -> tuple[int, dict[str, int]]:
     """The bytes every all-gather of one forward and backward moved into this rank, and the elements of
-    the float8 layers' weights and of every other parameter."""
-    cfg = load_config(None, [*MODEL, "--parallel.zero_stage=2", f"--training.fp8_all_gather={all_gather}"])
+    the float8 layers' weights, of the blocks' other parameters and of the root's (embedding, final
+    norm, output layer)."""
+    cfg = load_config(
+        None,
+        [
+            *MODEL,
+            "--parallel.zero_stage=2",
+            f"--training.fp8_all_gather={all_gather}",
+            f"--training.dtype={dtype}",
+        ],
+    )
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     convert_to_float8(model, "tensorwise", all_gather=all_gather, exclude=["output"])
     float8 = {f"{name}.weight" for name in float8_layers(model)}
-    elements = [0, 0]
+    elements = {"float8": 0, "block": 0, "root": 0}
     for name, param in model.named_parameters():
-        elements[name not in float8] += param.numel()
+        kind = "float8" if name in float8 else "block" if name.startswith("layers.") else "root"
+        elements[kind] += param.numel()
     dims = ParallelDims.from_config(cfg, world)
     dims.build_mesh("cpu")
     stepped = parallelize(
-        model, dims, cfg.parallel, device=torch.device("cpu"), microbatches=2, float8_all_gather=all_gather
+        model,
+        dims,
+        cfg.parallel,
+        device=torch.device("cpu"),
+        microbatches=2,
+        float8_all_gather=all_gather,
+        autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
     )
     moved = [0]
 
@@ -66,18 +82,21 @@ def _gathered_bytes(rank: int, world: int, all_gather: bool) -> tuple[int, int, 
                 unit.set_custom_all_gather(Counted())
     tokens = torch.randint(257, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
     stepped.forward_backward([(seq[:, :-1], seq[:, 1:]) for seq in tokens], next_token_loss)
-    return moved[0], *elements
+    return moved[0], elements
 
 
-def test_the_float8_all_gather_moves_a_byte_an_element_of_the_float8_weights():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_float8_all_gather_moves_a_byte_an_element_of_the_float8_weights(dtype):
     """ZeRO-2, two micro-batches: each FSDP unit is gathered once a micro-batch. Without the float8
-    all-gather every parameter crosses as float32 (4 bytes); with it the float8 layers' weights cross as
-    1 byte an element, half bfloat16's 2, and the rest (norms, embedding, output layer) as before."""
-    plain, float8_elements, other_elements = run_ranks(_gathered_bytes, 2, False)[0]
-    float8, *_ = run_ranks(_gathered_bytes, 2, True)[0]
-    micro_batches = 2
-    assert plain == micro_batches * 4 * (float8_elements + other_elements)
-    assert float8 == micro_batches * (1 * float8_elements + 4 * other_elements)
+    all-gather the blocks' parameters cross in the compute precision (float32: 4 bytes; bfloat16 copies:
+    2) and the root's (embedding, final norm, output layer) as float32; with it the float8 layers' weights
+    cross as 1 byte an element, half bfloat16's, and the rest as before."""
+    plain, elements = run_ranks(_gathered_bytes, 2, False, dtype)[0]
+    float8, _ = run_ranks(_gathered_bytes, 2, True, dtype)[0]
+    micro_batches, block_bytes = 2, torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    root = 4 * elements["root"]
+    assert plain == micro_batches * (block_bytes * (elements["float8"] + elements["block"]) + root)
+    assert float8 == micro_batches * (1 * elements["float8"] + block_bytes * elements["block"] + root)
 
 
 def test_the_float8_all_gather_needs_tensorwise_scaling():

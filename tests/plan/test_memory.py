@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megascale.plan.job import FP32_WEIGHTS, MIXED_BF16, Job, Layout
+from megascale.plan.job import FP32_WEIGHTS, FP32_WEIGHTS_BF16_GATHERS, MIXED_BF16, Job, Layout
 from megascale.plan.memory import activation_bytes_per_block, memory_per_device, stage_params
 from tests.parallel.tiny import tiny_model_config
 
@@ -36,6 +36,18 @@ def test_training_state_by_zero_stage_matches_a_hand_count():
             grads,
             optimizer,
         )
+
+
+def test_bfloat16_gathers_hold_sharded_masters_and_the_gathered_copies():
+    """megascale's FSDP under bfloat16: float32 masters sharded at every stage; below ZeRO-3 the blocks'
+    bfloat16 copies stay gathered (2 bytes), the embedding and output layer in float32 (4)."""
+    job = dataclasses.replace(JOB, dtype="bfloat16", precision=FP32_WEIGHTS_BF16_GATHERS)
+    params = 2 * BLOCK + EMBEDDINGS
+    gathered = 2 * 2 * BLOCK + 4 * EMBEDDINGS
+    expected = {1: 4 * params / 2 + gathered, 2: 4 * params / 2 + gathered, 3: 4 * params / 2}
+    for stage, weights in expected.items():
+        assert memory_per_device(job, Layout(dp=2, micro_batch=2, zero_stage=stage)).weights_bytes == weights
+    assert memory_per_device(job, Layout(micro_batch=2)).weights_bytes == 4 * params  # no data parallelism
 
 
 def test_activations_follow_korthikanti_and_shrink_with_recomputation():

@@ -7,7 +7,17 @@ import pytest
 from megascale.config import load_config
 from megascale.plan.compute import gemm_seconds, keys_per_query
 from megascale.plan.hardware import PROFILES
-from megascale.plan.job import MEGASCALE, MEGATRON, Cluster, Features, Job, Layout, layout_from_config
+from megascale.plan.job import (
+    FP32_WEIGHTS,
+    FP32_WEIGHTS_BF16_GATHERS,
+    MEGASCALE,
+    MEGATRON,
+    Cluster,
+    Features,
+    Job,
+    Layout,
+    layout_from_config,
+)
 from megascale.plan.paper import LAYOUT_175B, MODEL_175B, with_ptb_swa
 from megascale.plan.step import estimate_step
 
@@ -97,6 +107,22 @@ def test_megascales_trainer_syncs_every_micro_batch_but_at_zero_stage_1():
     micro_batches = Layout(dp=4, **LAYOUT_175B).micro_batches(JOB)
     assert dp_s(trainer, 2) == pytest.approx(micro_batches * dp_s(once, 2))
     assert dp_s(trainer, 1) == pytest.approx(dp_s(once, 1))
+
+
+def test_bfloat16_gathers_halve_the_blocks_all_gather_bytes_but_not_the_embeddings():
+    """ZeRO-3 without overlap, bandwidth-bound: per step one float32 gradient reduce-scatter and two
+    weight all-gathers, the blocks' in bfloat16 copies and the embedding and output layer in float32."""
+    features = dataclasses.replace(MEGASCALE, dp_overlap=False)
+    layout = Layout(dp=64, tp=4, zero_stage=3, micro_batch=1)
+    fp32, bf16 = (
+        estimate_step(dataclasses.replace(JOB, precision=precision), layout, features, A100, Cluster(256))
+        for precision in (FP32_WEIGHTS, FP32_WEIGHTS_BF16_GATHERS)
+    )
+    model = JOB.model
+    vocab = 2 * model.vocab_size * model.dim
+    blocks = model.n_layers * (12 * model.dim**2 + 2 * model.dim)
+    expected = (4 + 2 * (2 * blocks + 4 * vocab) / (blocks + vocab)) / (4 + 2 * 4)
+    assert bf16.terms_s["dp_exposed"] / fp32.terms_s["dp_exposed"] == pytest.approx(expected, rel=0.02)
 
 
 def test_a_profile_that_measured_tp_with_its_communication_adds_it_per_activation_byte_instead():
