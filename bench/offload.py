@@ -107,7 +107,7 @@ def predicted_bytes(overrides: list[str], offload: bool) -> float:
     flag = [f"--parallel.activation_offload={str(offload).lower()}"]
     cfg = load_config(CONFIG, [*COMMON, *overrides, *flag])
     job, layout = job_from_config(cfg), layout_from_config(cfg, 1)
-    memory = memory_per_device(job, layout, own_blocks=True, on_cpu=True)
+    memory = memory_per_device(job, layout, own_blocks=True, on_cpu=True, grads_as_made=True)
     return memory.activations_bytes + memory.grads_bytes
 
 

@@ -198,6 +198,14 @@ class Features:
     # Whether the system cuts layers into stages of unequal counts (megascale's trainer, `plan/stages.py`)
     # or needs pp x v to divide them (Megatron-LM asserts it).
     uneven_stages: bool = False
+    # The fewest pipeline stages the system interleaves model chunks over (None: it has no interleaved
+    # schedule, as DeepSpeed's pipeline engine). Megatron-LM refuses virtual stages unless pp > 2
+    # (megatron/core/parallel_state.py); torch's pipelining, megascale's trainer, interleaves two.
+    interleaved_min_pp: int | None = 3
+    # Whether gradients are allocated as the backward makes them (autograd's, FSDP's) rather than held in a
+    # buffer through the step (Megatron-LM's and DeepSpeed's contiguous gradient buffers): a step of one
+    # micro-batch without a pipeline then peaks below its activations plus every gradient.
+    grads_as_made: bool = False
 
     @property
     def host_stall_s(self) -> float:
@@ -231,6 +239,8 @@ MEGASCALE_TRAINER = Features(
     pp_scatter_gather=False,
     own_blocks=True,
     uneven_stages=True,
+    interleaved_min_pp=2,
+    grads_as_made=True,
 )
 
 

@@ -181,10 +181,13 @@ def memory_per_device(
     materialized_scores: bool = False,
     own_blocks: bool = False,
     on_cpu: bool = False,
+    grads_as_made: bool = False,
 ) -> Memory:
     """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
     kernel; `own_blocks`: dense blocks counted as megascale's model saves them, `trainer_block_bytes`;
-    `on_cpu`: a CPU, where the model picks its own kernels and offload fetches nothing ahead)."""
+    `on_cpu`: a CPU, where the model picks its own kernels and offload fetches nothing ahead;
+    `grads_as_made`: gradients allocated as the backward makes them, by autograd and FSDP, rather than in
+    a buffer held through the step, as Megatron-LM's and DeepSpeed's contiguous gradient buffers are)."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -223,7 +226,8 @@ def memory_per_device(
     logits = 2 * 4 * tokens * job.model.vocab_size / layout.tp  # fp32, and its grad
     saved = per_micro_batch / blocks
     other = ring_buffer_bytes(job, layout)
-    if layout.pp > 1 or layout.micro_batches(job) > 1:  # every gradient is there from the first backward on
+    # Every gradient is there from the first backward on: held in a buffer, or made by an earlier micro-batch.
+    if not grads_as_made or layout.pp > 1 or layout.micro_batches(job) > 1:
         return Memory(weights, grads, optimizer, saved * held_blocks + working + logits + other)
     block_grads = grads * (1 - vocab_params(job, layout) / sum(g.params for g in groups)) / blocks
     moments = backward_moments(layout, grads, block_grads, saved, working, blocks, fetch_ahead=not on_cpu)

@@ -5,8 +5,9 @@ exposes: TP within a node, pipeline stages and interleaved chunks, context paral
 micro-batch size, ZeRO stage and recomputation, each as far as the system being planned has it (its
 ZeRO stages, recomputation and sequence parallelism: `Features`). A layout is legal under the rules
 `megascale.parallel.dims.ParallelDims` enforces (degrees dividing heads and the vocabulary, the batch
-dividing evenly, at least pp micro-batches, interleaving needing a multiple of pp, the sequence splitting
-into 2 x cp chunks); it is kept if its peak memory fits the device with MEMORY_HEADROOM to spare.
+dividing evenly, at least pp micro-batches, interleaving needing a multiple of pp and as many stages as
+the system interleaves over, the sequence splitting into 2 x cp chunks); it is kept if its peak memory fits
+the device with MEMORY_HEADROOM to spare.
 """
 
 from __future__ import annotations
@@ -126,9 +127,11 @@ def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout
 
 
 def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features: Features) -> list[int]:
-    """Model chunks per pipeline rank: 1, and the interleaved counts whose pp x v stages the system can cut
-    the layers into (evenly, unless it splits unevenly) with the micro-batches a multiple of pp."""
-    if pp == 1:
+    """Model chunks per pipeline rank: 1, and where the system interleaves at this pp, the counts whose
+    pp x v stages it can cut the layers into (evenly, unless it splits unevenly) with the micro-batches a
+    multiple of pp."""
+    least = features.interleaved_min_pp
+    if pp == 1 or least is None or pp < least:
         return [1]
     interleaved = [
         v

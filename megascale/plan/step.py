@@ -146,7 +146,14 @@ def estimate_step(
     tokens_per_s = job.tokens_per_step / step_s
     peak = cluster.devices * profile.peak_flops(job.dtype)
     materialized = not features.fused_kernels and features.attention_kernel == "materialized"
-    memory = memory_per_device(job, layout, materialized, features.own_blocks, on_cpu=profile.host_cores > 0)
+    memory = memory_per_device(
+        job,
+        layout,
+        materialized,
+        features.own_blocks,
+        on_cpu=profile.host_cores > 0,
+        grads_as_made=features.grads_as_made,
+    )
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m
     )

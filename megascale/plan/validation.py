@@ -187,7 +187,13 @@ MEGATRON_CORE = Features(
 )
 # FSDP (PyTorch's, in torchtitan and Composer, uncompiled): per-block all-gathers prefetched, reduce-
 # scatters behind the backward, FlashAttention-2 (SDPA), element-wise operators one kernel each.
-FSDP = Features(dp_overlap=True, attention_kernel="flash2", dp_sync_per_micro_batch=True, host_overhead_s=0.2)
+FSDP = Features(
+    dp_overlap=True,
+    attention_kernel="flash2",
+    dp_sync_per_micro_batch=True,
+    host_overhead_s=0.2,
+    grads_as_made=True,
+)
 # torchtitan's FSDP2, whose selective recomputation is per operator ("op": every second matmul of a block
 # and its element-wise operators recomputed, `megascale.plan.compute`).
 TORCHTITAN = dataclasses.replace(FSDP, recomputes=("none", "op", "full"))
@@ -382,8 +388,11 @@ BLOOM = Source(
     convention="hardware FLOPs (SC'21 Eq. 3), % of 312 TFLOP/s; the iteration time as logged",
     # DeepSpeed's ZeRO-1 bf16 optimizer; the Megatron-DeepSpeed of 2022 had neither sequence parallelism nor
     # selective recomputation, and the run recomputed every block (its logged TFLOPs count it, SC'21 Eq. 3).
-    # Its pipeline cuts 70 layers into 12 stages, so stages of unequal counts.
-    features=dataclasses.replace(MEGATRON_2021_SC21, zero_stages=(1,), uneven_stages=True),
+    # Its pipeline cuts 70 layers into 12 stages, so stages of unequal counts; DeepSpeed's pipeline engine
+    # has no interleaved schedule.
+    features=dataclasses.replace(
+        MEGATRON_2021_SC21, zero_stages=(1,), uneven_stages=True, interleaved_min_pp=None
+    ),
     profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
     assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "
     "by its 8 GPUs; the 70 layers 6 a stage, 5 on the last two (the last beside the output layer)",

@@ -211,11 +211,23 @@ def test_a_single_micro_batch_peaks_where_held_activations_and_gradients_made_we
     job = dataclasses.replace(JOB, global_batch=2)
     s, b, h, layers = 32, 2, 64, 2
     logits, activations = 2 * 4 * b * s * 96, layers * s * b * h * 34 * 2
-    plain = memory_per_device(job, Layout(micro_batch=b, recompute="none"))
+    plain = memory_per_device(job, Layout(micro_batch=b, recompute="none"), grads_as_made=True)
     at_loss, in_last_block = activations + logits, activations + 4 * (EMBEDDINGS + BLOCK)
     assert plain.activations_bytes + plain.grads_bytes == max(at_loss, in_last_block)
     full = Layout(micro_batch=b, recompute="full", offload=True)
-    peak = memory_per_device(job, full, own_blocks=True, on_cpu=True)
+    peak = memory_per_device(job, full, own_blocks=True, on_cpu=True, grads_as_made=True)
     whole = trainer_block_bytes(job, dataclasses.replace(full, recompute="none"), on_cpu=True)
     assert peak.activations_bytes == pytest.approx(trainer_block_bytes(job, full) + whole)
     assert peak.grads_bytes == pytest.approx(memory_per_device(JOB, full).grads_bytes)  # all of them
+
+
+def test_a_gradient_buffer_holds_every_gradient_through_a_single_micro_batch():
+    """Megatron-LM's and DeepSpeed's contiguous gradient buffers exist before the backward: a step of one
+    micro-batch peaks at its activations plus every gradient, where autograd's would peak lower."""
+    job = dataclasses.replace(JOB, global_batch=2)
+    layout = Layout(micro_batch=2, recompute="none")
+    buffered, made = memory_per_device(job, layout), memory_per_device(job, layout, grads_as_made=True)
+    assert buffered.grads_bytes == 4 * (2 * BLOCK + EMBEDDINGS)
+    s, b, h = 32, 2, 64
+    assert buffered.activations_bytes == 2 * s * b * h * 34 * 2 + 2 * 4 * b * s * 96  # every block's, logits
+    assert buffered.total_bytes > made.total_bytes

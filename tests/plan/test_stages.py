@@ -64,8 +64,8 @@ def test_a_configs_pp_split_reaches_the_layout_and_the_overrides():
     assert "--parallel.pp_split=params" in config_overrides(layout, "tp-dp-pp", False, True)
 
 
-def test_the_search_tries_uneven_stages_only_for_a_system_that_cuts_them():
-    from megascale.plan.job import MEGATRON
+def test_the_search_tries_uneven_stages_and_interleaving_only_for_a_system_that_runs_them():
+    from megascale.plan.job import MEGASCALE_TRAINER, MEGATRON
     from megascale.plan.search import candidate_layouts
 
     job = dataclasses.replace(LLAMA_405B, model=dataclasses.replace(LLAMA_405B.model, n_layers=126))
@@ -75,4 +75,9 @@ def test_the_search_tries_uneven_stages_only_for_a_system_that_cuts_them():
         return {(layout.pp, layout.virtual_stages) for layout in layouts}
 
     assert {(4, 1), (16, 2), (8, 8)} <= pipelines(MEGASCALE)  # 126 layers over 4, 32 and 64 stages
-    assert (4, 1) not in pipelines(MEGATRON) and (2, 7) in pipelines(MEGATRON)  # 126 = 2 x 7 x 9
+    evenly = dataclasses.replace(MEGATRON, interleaved_min_pp=2)  # were Megatron-LM to interleave 2 stages
+    assert (4, 1) not in pipelines(evenly) and (2, 7) in pipelines(evenly)  # 126 = 2 x 7 x 9
+    # Megatron-LM interleaves over more than 2 stages only; DeepSpeed's pipeline engine never does.
+    assert pipelines(MEGATRON) == {(1, 1), (2, 1)}
+    assert {(2, 2), (4, 2)} <= pipelines(MEGASCALE_TRAINER)
+    assert {v for _, v in pipelines(dataclasses.replace(MEGASCALE, interleaved_min_pp=None))} == {1}
