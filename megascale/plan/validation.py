@@ -341,10 +341,13 @@ LLM_FOUNDRY = Source(
     name="MosaicML llm-foundry, FSDP on H100",
     where="mosaicml/llm-foundry scripts/train/benchmarking/README.md, 'H100 80GB BF16 (Large Scale)'",
     convention="6N + 12 L d s (N with the embeddings), % of 989 TFLOP/s",
-    features=dataclasses.replace(FSDP, model_parallel=False),  # Composer: FSDP alone
+    # Composer: FSDP alone; attention by llm-foundry's triton FlashAttention, the default `--attn_impl`
+    # of the benchmark script (scripts/train/benchmarking/submit_benchmarks.py) when the table was made.
+    features=dataclasses.replace(FSDP, model_parallel=False, attention_kernel="flash"),
     profile=H100,
     assumed="the network of our H100 profile (400 Gb/s per GPU; the source does not say); MPT as a GPT "
-    "with learned positions and tied embeddings; FULL_SHARD as ZeRO-3, SHARD_GRAD_OP as ZeRO-2",
+    "with learned positions and tied embeddings; FULL_SHARD as ZeRO-3, SHARD_GRAD_OP as ZeRO-2; its "
+    "triton attention kernel (FlashAttention-1's algorithm) at FlashAttention-1's speed",
 )
 MPT = {  # name: (d_model, heads, layers)
     "1b": (2048, 16, 24),

@@ -1,0 +1,32 @@
+"""The planner on the hold-out tables (megascale/plan/holdout.py): the rows reproduce their source's own
+figures, the A100 tables stay within the validation set's average bounds, and the docs show the errors
+the code produces."""
+
+from pathlib import Path
+
+import pytest
+
+from megascale.plan import holdout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_rows_published_mfu_is_its_sources():
+    rows = {row.label: row for row in holdout.holdout_rows("A100 80GB")}
+    # MPT-7b at 2,048 on 8 A100s of 80 GB: 4,641 tokens/s per GPU, published at 64.23% MFU.
+    assert rows["MPT-7b at 2,048 on 8, micro-batch 6"].mfu == pytest.approx(0.6423, abs=0.002)
+    h100 = {row.label: row for row in holdout.holdout_rows("H100 80GB BF16")}
+    # MPT-1b at 65,536 on 8 H100s: 5,506 tokens/s per GPU, published at 26.34% MFU (attention unhalved).
+    assert h100["MPT-1b at 65,536 on 8, micro-batch 1"].mfu == pytest.approx(0.2634, abs=0.002)
+
+
+@pytest.mark.parametrize("table", ["A100 80GB", "A100 40GB"])
+def test_the_a100_tables_are_predicted_within_the_validation_sets_average_bounds(table):
+    errors = [row.error_points for row in holdout.holdout_rows(table)]
+    mean_abs, mean = sum(map(abs, errors)) / len(errors), sum(errors) / len(errors)
+    assert mean_abs <= 4.0 and abs(mean) <= 2.0
+
+
+def test_docs_show_the_holdout_errors_the_code_produces():
+    docs = (REPO / "docs" / "planning.md").read_text()
+    assert holdout.render_markdown() in docs, "regenerate with: python -m megascale.plan.holdout"
