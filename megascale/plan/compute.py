@@ -15,7 +15,9 @@ Three kinds of work, each timed by what limits it:
   whole square as batched GEMMs, and the square's elements through memory by the softmax, the dropout
   and the matmuls that read them (`MATERIALIZED_BYTES_*`); selective recomputation redoes all of it.
 - Element-wise work (norms, activations, dropout, residual adds): bytes through HBM; fusing LayerNorm and
-  GeLU (paper §3.3) halves the number of passes.
+  GeLU (paper §3.3) halves the number of passes. A system that runs the model's composite operators
+  eagerly (torchtitan's Llama: an RMSNorm and RoPE in float32 op by op) moves more, counted operator by
+  operator (`eager_elementwise_bytes`).
 - Recomputation: full recomputation redoes a block's forward; selective (Korthikanti et al. 2022) the
   attention core, which costs nothing more in a FlashAttention kernel; torchtitan's selective op
   checkpointing ("op") keeps the outputs of the attention kernel and of every other matmul of a block,
@@ -48,6 +50,24 @@ ELEMENTWISE_PASSES_FUSED = 36
 # read and written a token: unfused, bias + GeLU moves 32 hidden-sizes of the block's 62 (bias add and
 # GeLU forward, 16; their backward with the bias gradient, 16); fused, 20 of 40.
 ELEMENTWISE_MLP_SHARE = 0.5
+# Bytes one element moves through memory, forward + backward, in each operator torch's eager mode runs for
+# a block with 2-byte activations, counted by the operator's reads and writes (forward + backward):
+# RMSNorm as composite float32 operators (upcast, square, mean, scaling by the reciprocal root, downcast,
+# gain), per element of the hidden size.
+EAGER_RMSNORM_BYTES = 36 + 70
+# LayerNorm, one native kernel each way, per element of the hidden size.
+EAGER_LAYERNORM_BYTES = 4 + 8
+# RoPE as a complex multiply in float32 (upcast, multiply, downcast), per query and key element.
+EAGER_ROPE_BYTES = 20 + 20
+# SwiGLU's SiLU and product, per element of the ffn width.
+EAGER_SWIGLU_BYTES = 10 + 16
+# GeLU, per element of the ffn width.
+EAGER_GELU_BYTES = 4 + 6
+# Two residual adds, and in the backward the sum of the gradients where the stream forks, per element of
+# the hidden size.
+EAGER_RESIDUAL_BYTES = 2 * (6 + 6)
+# The attention's output laid back out as [tokens, heads x head size], per query element.
+EAGER_ATTENTION_OUTPUT_BYTES = 4 + 4
 # FlashAttention-2 is "around 2x faster than FlashAttention" (Dao 2023, arXiv 2307.08691, abstract).
 FLASH_ATTENTION_1_SPEED = 0.5
 # Bytes moved per element of a materialised [heads, s, s] score square at 2-byte activations (Megatron-LM's
@@ -144,11 +164,13 @@ def block_time(
     fused_kernels: bool,
     moe: MoEWork | None = None,
     attention_kernel: str = "flash",
+    elementwise: str = "kernels",
 ) -> BlockTime:
     """One block, one micro-batch, forward + backward (and recomputation), on one device; with `moe`,
     a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`). The attention runs in
     FlashAttention-2 with `fused_kernels`, else in `attention_kernel`: FlashAttention-1 ("flash") or
-    over materialised scores ("materialized")."""
+    over materialised scores ("materialized"); the element-wise operators as `elementwise` says
+    (`Features.elementwise`)."""
     model, dtype = job.model, job.linear_dtype
     tokens = layout.micro_batch * layout.local_seq_len(job)
     gemm_s = attention_linear_seconds(job, layout, profile)
@@ -167,6 +189,8 @@ def block_time(
     elementwise_s = (
         tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
     )
+    if moe is None and not fused_kernels and elementwise == "eager":
+        elementwise_s = tokens * eager_elementwise_bytes(model, layout.tp, shard) / profile.hbm_bytes_per_s
     if moe is not None:
         elementwise_s += moe.other_ops_s
     if job.fp8:
@@ -186,6 +210,21 @@ def block_time(
         recompute_s = sum(gemm_seconds(tokens, n_in, n_out, profile, dtype) for n_in, n_out in shapes)
         recompute_s += elementwise_s / 3
     return BlockTime(gemm_s, attention_fwd_s + attention_bwd_s, elementwise_s, host_s, recompute_s)
+
+
+def eager_elementwise_bytes(model: ModelConfig, tp: int, shard: int) -> float:
+    """Bytes one token of one block moves through memory in its element-wise operators, forward +
+    backward, as torch's eager mode runs them (the EAGER_* counts): its norms and residual adds over the
+    hidden size (split over `shard` ranks with sequence parallelism), RoPE over the queries and keys, the
+    attention's output and the MLP's activation over their widths (split over the `tp` ranks)."""
+    norm = EAGER_RMSNORM_BYTES if model.norm == "rmsnorm" else EAGER_LAYERNORM_BYTES
+    norms = 1 if model.block == "parallel" else 2
+    hidden = (norms * norm + EAGER_RESIDUAL_BYTES) * model.dim / shard
+    head_dim = head_dim_of(model)
+    queries, keys = model.attention.n_heads * head_dim, model.attention.n_kv_heads * head_dim
+    rope = EAGER_ROPE_BYTES * (queries + keys) if model.position == "rope" else 0
+    mlp = (EAGER_SWIGLU_BYTES if model.mlp == "swiglu" else EAGER_GELU_BYTES) * ffn_dim_of(model)
+    return hidden + (rope + EAGER_ATTENTION_OUTPUT_BYTES * queries + mlp) / tp
 
 
 # Bytes of memory traffic per element a float8 linear layer casts, forward (its input) and backward (its

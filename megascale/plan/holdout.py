@@ -9,6 +9,12 @@ same FLOP convention, the same assumptions), on its own GPU; the A100 40 GB prof
 40 GB. A row gives its tokens per second per GPU, its micro-batch and global batch, whether it
 checkpoints every block, and its parameter count (which its FLOP formula uses).
 
+torchtitan's H100 benchmark of December 2024 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md,
+Tables 1 and 3): Llama 3.1 8B under FSDP alone, uncompiled and in bfloat16, on 8 and 128 GPUs, priced as the
+validation set's torchtitan rows are (`megascale.plan.validation.TORCHTITAN_A100`'s features and FLOP
+convention) on an H100 with that benchmark's memory: 96 GB of HBM2e at 2.4 TB/s. Its GPUs ran at a 500 W
+power limit, with a peak its authors place between the SXM's and the NVL's; the profile keeps the SXM's.
+
 `python -m megascale.plan.holdout` prints each table's errors (docs/planning.md, "Hold-out tables").
 """
 
@@ -19,7 +25,18 @@ import sys
 
 from megascale.plan.hardware import GB, HardwareProfile
 from megascale.plan.job import Layout
-from megascale.plan.validation import A100, H100, LLM_FOUNDRY, MPT, Published, gpt, palm_flops, published
+from megascale.plan.validation import (
+    A100,
+    H100,
+    LLM_FOUNDRY,
+    MPT,
+    TORCHTITAN_A100,
+    Published,
+    gpt,
+    llama,
+    palm_flops,
+    published,
+)
 
 MPT_DIMS = {  # name: (d_model, heads, layers): MPT's yamls (scripts/train/yamls/pretrain)
     "125m": (768, 12, 12),
@@ -235,7 +252,30 @@ TABLES: dict[str, tuple[HardwareProfile, list[tuple]]] = {
 }
 
 
+H100_GRAND_TETON = dataclasses.replace(
+    H100, name="H100-96GB-HBM2e at 500 W", hbm_bytes=96 * GB, hbm_bytes_per_s=2400 * GB
+)
+# (GPUs, local batch, tokens/s per GPU): Llama 3.1 8B, sequence 8,192, selective (per-operator) checkpointing
+TORCHTITAN_H100_ROWS = [(8, 2, 5762), (128, 2, 5605)]
+TORCHTITAN = "torchtitan H100, FSDP"
+
+
+def torchtitan_h100_rows() -> list[Published]:
+    source = dataclasses.replace(TORCHTITAN_A100, name=TORCHTITAN, profile=H100_GRAND_TETON)
+    model = llama(4096, 32, 32, 8, 14336, 128256, 8192)
+    rows = []
+    for gpus, local, tokens_per_s in TORCHTITAN_H100_ROWS:
+        layout = Layout(1, 1, gpus, 1, local, 3, "op", False)
+        label, job = f"Llama 3.1 8B on {gpus}", (model, 8192, local * gpus)
+        rows.append(
+            published(source, label, job, layout, palm_flops(8.03e9), tokens_per_s_per_gpu=tokens_per_s)
+        )
+    return rows
+
+
 def holdout_rows(table: str) -> list[Published]:
+    if table == TORCHTITAN:
+        return torchtitan_h100_rows()
     profile, rows = TABLES[table]
     source = dataclasses.replace(LLM_FOUNDRY, name=f"llm-foundry {table}", profile=profile)
     published_rows = []
@@ -252,15 +292,17 @@ def holdout_rows(table: str) -> list[Published]:
 
 
 def render_markdown() -> str:
-    """Each table's row count and errors, and the same split at sequence 8,192 (docs/planning.md)."""
+    """Each table's row count and errors, and the same split at sequence 8,192 where a table has both
+    (docs/planning.md)."""
     lines = ["| table | rows | mean absolute error | mean signed error | worst |", "|---|---|---|---|---|"]
-    for table in TABLES:
+    for table in [*TABLES, TORCHTITAN]:
         rows = holdout_rows(table)
-        for label, chosen in (
-            ("", rows),
-            (", sequences up to 4,096", [row for row in rows if row.seq_len <= 4096]),
-            (", sequences of 8,192 and more", [row for row in rows if row.seq_len > 4096]),
-        ):
+        short = [row for row in rows if row.seq_len <= 4096]
+        splits = [("", rows)]
+        if short and len(short) < len(rows):
+            long = [row for row in rows if row.seq_len > 4096]
+            splits += [(", sequences up to 4,096", short), (", sequences of 8,192 and more", long)]
+        for label, chosen in splits:
             errors = [row.error_points for row in chosen]
             mean_abs, mean = sum(map(abs, errors)) / len(errors), sum(errors) / len(errors)
             lines.append(

@@ -165,6 +165,10 @@ class Features:
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
+    # Without them, how the element-wise operators run: "kernels", one kernel each (Megatron-LM's, counted
+    # as ELEMENTWISE_PASSES_UNFUSED), or "eager", the model's composite operators as torch's eager mode
+    # runs them (an RMSNorm's upcast, square, mean and scalings each a pass; `eager_elementwise_bytes`).
+    elementwise: str = "kernels"
     # The attention kernel without them: FlashAttention-1 ("flash": Megatron-LM as the paper ran it) or
     # materialised scores ("materialized": Megatron-LM before FlashAttention, 2021-2022).
     attention_kernel: str = "flash"

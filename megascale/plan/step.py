@@ -92,7 +92,9 @@ def estimate_step(
     if problem := layout_problem(job, layout) or context_problem(job, layout):
         raise ConfigError(f"plan: layout {layout.describe()}: {problem}")
     model, m = job.model, layout.micro_batches(job)
-    dense = block_time(job, layout, profile, features.fused_kernels, None, features.attention_kernel)
+    dense = block_time(
+        job, layout, profile, features.fused_kernels, None, features.attention_kernel, features.elementwise
+    )
     output_s = output_layer_seconds(job, layout, profile)
     busiest = busiest_rank(job, layout, dense.total_s, output_s)  # the pipeline runs at its pace
     blocks = busiest.blocks

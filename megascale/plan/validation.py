@@ -195,8 +195,9 @@ FSDP = Features(
     grads_as_made=True,
 )
 # torchtitan's FSDP2, whose selective recomputation is per operator ("op": every second matmul of a block
-# and its element-wise operators recomputed, `megascale.plan.compute`).
-TORCHTITAN = dataclasses.replace(FSDP, recomputes=("none", "op", "full"))
+# and its element-wise operators recomputed, `megascale.plan.compute`), uncompiled: its Llama's RMSNorm
+# and RoPE run as composite float32 operators, each a pass through memory.
+TORCHTITAN = dataclasses.replace(FSDP, recomputes=("none", "op", "full"), elementwise="eager")
 
 
 SC21 = Source(

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from megascale.config import load_config
-from megascale.plan.compute import gemm_seconds, keys_per_query
+from megascale.plan.compute import block_time, gemm_seconds, keys_per_query
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import (
     FP32_WEIGHTS,
@@ -238,3 +238,34 @@ def test_tensor_parallelism_splits_the_mlps_element_wise_work_and_sequence_paral
     whole = elementwise(1, False)
     assert elementwise(8, False) == pytest.approx(whole * (0.5 + 0.5 / 8))
     assert elementwise(8, True) == pytest.approx(whole / 8)
+
+
+def test_eager_element_wise_operators_are_counted_operator_by_operator():
+    """torch's eager Llama block, per token: two RMSNorms of composite float32 operators and two residual
+    adds over the hidden size, RoPE on the queries and keys, the attention's output and SwiGLU over their
+    widths; split over tp where the heads and the ffn width are, and the rest only with sequence
+    parallelism."""
+    from megascale.models.feed_forward import ffn_dim_of
+    from megascale.plan import compute
+
+    model = load_config(None, ["--model.dim=64", "--model.attention.n_heads=4"]).model
+    q, kv, f = 64, 64 * model.attention.n_kv_heads // 4, ffn_dim_of(model)
+    hidden = (2 * compute.EAGER_RMSNORM_BYTES + compute.EAGER_RESIDUAL_BYTES) * 64
+    split = compute.EAGER_ROPE_BYTES * (q + kv) + compute.EAGER_ATTENTION_OUTPUT_BYTES * q
+    split += compute.EAGER_SWIGLU_BYTES * f
+    assert compute.eager_elementwise_bytes(model, 1, 1) == hidden + split
+    assert compute.eager_elementwise_bytes(model, 2, 1) == hidden + split / 2
+    assert compute.eager_elementwise_bytes(model, 2, 2) == (hidden + split) / 2
+    # A GPT block (LayerNorm kernels, GeLU, learned positions) moves less than a Llama block of its size.
+    gpt = dataclasses.replace(model, norm="layernorm", mlp="gelu", position="learned")
+    assert compute.eager_elementwise_bytes(gpt, 1, 1) < compute.eager_elementwise_bytes(model, 1, 1)
+
+
+def test_a_system_running_the_block_eagerly_spends_longer_in_element_wise_work():
+    job = Job(load_config(None, []).model, seq_len=256, global_batch=8, dtype="bfloat16")
+    layout = Layout(micro_batch=2)
+    kernels = block_time(job, layout, A100, fused_kernels=False)
+    eager = block_time(job, layout, A100, fused_kernels=False, elementwise="eager")
+    assert eager.elementwise_s > kernels.elementwise_s and eager.gemm_s == kernels.gemm_s
+    fused = block_time(job, layout, A100, fused_kernels=True, elementwise="eager")  # fusing wins
+    assert fused.elementwise_s < kernels.elementwise_s
