@@ -182,15 +182,17 @@ def block_time(
         gemm_s += _gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
     kernel = "flash2" if fused_kernels else attention_kernel
     attention_fwd_s, attention_bwd_s = attention_seconds(job, layout, profile, kernel)
-    passes: float = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
     shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
-    if moe is None:  # the dense MLP's share is split over the tp ranks, with or without sequence parallelism
-        passes = passes * (ELEMENTWISE_MLP_SHARE * shard / layout.tp + 1 - ELEMENTWISE_MLP_SHARE)
-    elementwise_s = (
-        tokens * model.dim * job.precision.activation_bytes * passes / shard / profile.hbm_bytes_per_s
-    )
     if moe is None and not fused_kernels and elementwise == "eager":
-        elementwise_s = tokens * eager_elementwise_bytes(model, layout.tp, shard) / profile.hbm_bytes_per_s
+        token_bytes = eager_elementwise_bytes(model, layout.tp, shard)
+    else:
+        passes: float = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
+        if (
+            moe is None
+        ):  # the dense MLP's share is split over the tp ranks, with or without sequence parallelism
+            passes = passes * (ELEMENTWISE_MLP_SHARE * shard / layout.tp + 1 - ELEMENTWISE_MLP_SHARE)
+        token_bytes = model.dim * job.precision.activation_bytes * passes / shard
+    elementwise_s = tokens * token_bytes / profile.hbm_bytes_per_s
     if moe is not None:
         elementwise_s += moe.other_ops_s
     if job.fp8:
