@@ -91,6 +91,18 @@ def vocab_params(job: Job, layout: Layout) -> float:
     return model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2) / split
 
 
+def gathered_bytes(job: Job, layout: Layout, groups: list[ParamGroup]) -> list[float]:
+    """Bytes of each of `groups` (`stage_param_groups`) as data parallelism gathers them: the blocks'
+    weights at `Precision.block_gather_bytes`, the embedding's and the output layer's (in the first group)
+    at the weights' own bytes."""
+    precision, vocab = job.precision, vocab_params(job, layout)
+    gathered = []
+    for index, group in enumerate(groups):
+        rest = vocab if index == 0 else 0.0
+        gathered.append((group.params - rest) * precision.block_gather_bytes + rest * precision.weight_bytes)
+    return gathered
+
+
 def gathers_copies(job: Job, layout: Layout) -> bool:
     """Whether data parallelism gathers narrower copies of the blocks' weights than it holds (megascale's
     FSDP under bfloat16): its masters are then sharded whatever the ZeRO stage."""
@@ -198,9 +210,8 @@ def memory_per_device(
     if gathers_copies(job, layout):  # float32 masters sharded, bfloat16 copies gathered whole below ZeRO-3
         weights = held(precision.weight_bytes, 1)
         if zero < 3:
-            rest = vocab_params(job, layout)
-            weights += sum(g.params for g in groups if g.ranks > 1) * precision.block_gather_bytes
-            weights += rest * (precision.weight_bytes - precision.block_gather_bytes)
+            gathered = zip(groups, gathered_bytes(job, layout, groups))
+            weights += sum(nbytes for group, nbytes in gathered if group.ranks > 1)
     optimizer = held(precision.optimizer_bytes, 1)
     blocks = most_blocks(job, layout)
     moe_blocks = min(blocks, moe_layers(job.model))

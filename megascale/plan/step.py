@@ -62,7 +62,7 @@ from megascale.plan.experts import (
 )
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
-from megascale.plan.memory import Memory, memory_per_device, stage_param_groups, vocab_params
+from megascale.plan.memory import Memory, gathered_bytes, memory_per_device, stage_param_groups
 from megascale.plan.stages import busiest_rank, most_blocks
 
 # Chunks an overlapped tensor-parallel collective is cut into (megascale's parallel.tp_chunks default,
@@ -331,11 +331,10 @@ def _dp_exposed_seconds(
     gathers = 2 if layout.zero_stage >= 3 else 1  # ZeRO-3 gathers the weights again for the backward
     units = most_blocks(job, layout) + 1
     sync_s = 0.0
-    for index, group in enumerate(stage_param_groups(job, layout)):
+    groups = stage_param_groups(job, layout)
+    for group, weight_bytes in zip(groups, gathered_bytes(job, layout, groups)):
         if group.ranks == 1:
             continue
-        rest = vocab_params(job, layout) if index == 0 else 0.0  # the first group holds the embedding
-        weight_bytes = (group.params - rest) * precision.block_gather_bytes + rest * precision.weight_bytes
         sync_s += sum(
             group_gather_or_scatter_seconds(total / units, group.stride, group.ranks, profile) * units
             for total in (group.params * precision.grad_bytes, *[weight_bytes] * gathers)
