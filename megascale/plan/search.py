@@ -88,8 +88,7 @@ def _degrees(
         for pp in divisors(devices // tp) if features.model_parallel else [1]:
             for cp in _context_choices(job, devices // (tp * pp), features):
                 dp = devices // (tp * pp * cp)
-                stages_fit = model.n_layers % pp == 0 or features.uneven_stages and pp <= model.n_layers
-                if stages_fit and job.global_batch % dp == 0:
+                if _stages_fit(model.n_layers, pp, features) and job.global_batch % dp == 0:
                     degrees.append((tp, pp, cp, dp))
     return degrees
 
@@ -136,10 +135,15 @@ def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features:
     interleaved = [
         v
         for v in range(2, MAX_VIRTUAL_STAGES + 1)
-        if (n_layers % (pp * v) == 0 or features.uneven_stages and pp * v <= n_layers)
-        and micro_batches % pp == 0
+        if _stages_fit(n_layers, pp * v, features) and micro_batches % pp == 0
     ]
     return [1, *interleaved]
+
+
+def _stages_fit(n_layers: int, stages: int, features: Features) -> bool:
+    """Whether the system can cut the layers into `stages` stages: evenly, or (where it splits unevenly)
+    at least one layer each."""
+    return n_layers % stages == 0 or features.uneven_stages and stages <= n_layers
 
 
 def memory_limit_bytes(profile: HardwareProfile, devices: int) -> float:
