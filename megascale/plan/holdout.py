@@ -21,19 +21,22 @@ power limit, with a peak its authors place between the SXM's and the NVL's; the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
+from collections.abc import Callable
 
 from megascale.plan.hardware import GB, HardwareProfile
 from megascale.plan.job import Layout
 from megascale.plan.validation import (
     A100,
     H100,
+    LLAMA3_8B,
     LLM_FOUNDRY,
     MPT,
     TORCHTITAN_A100,
     Published,
+    error_summary,
     gpt,
-    llama,
     palm_flops,
     published,
 )
@@ -245,7 +248,7 @@ A100_40GB_ROWS = [
     ("125m", 512, 8, 104, 2496, 156735, False, 124131840),
 ]
 
-TABLES: dict[str, tuple[HardwareProfile, list[tuple]]] = {
+FOUNDRY_TABLES: dict[str, tuple[HardwareProfile, list[tuple]]] = {
     "H100 80GB BF16": (H100, H100_BF16_ROWS),
     "A100 80GB": (A100, A100_80GB_ROWS),
     "A100 40GB": (A100_40GB, A100_40GB_ROWS),
@@ -262,21 +265,18 @@ TORCHTITAN_H100 = "torchtitan H100, FSDP"
 
 def torchtitan_h100_rows() -> list[Published]:
     source = dataclasses.replace(TORCHTITAN_A100, name=TORCHTITAN_H100, profile=H100_GRAND_TETON)
-    model = llama(4096, 32, 32, 8, 14336, 128256, 8192)
     rows = []
     for gpus, local, tokens_per_s in TORCHTITAN_H100_ROWS:
         layout = Layout(1, 1, gpus, 1, local, 3, "op", False)
-        label, job = f"Llama 3.1 8B on {gpus}", (model, 8192, local * gpus)
+        label, job = f"Llama 3.1 8B on {gpus}", (LLAMA3_8B, 8192, local * gpus)
         rows.append(
             published(source, label, job, layout, palm_flops(8.03e9), tokens_per_s_per_gpu=tokens_per_s)
         )
     return rows
 
 
-def holdout_rows(table: str) -> list[Published]:
-    if table == TORCHTITAN_H100:
-        return torchtitan_h100_rows()
-    profile, rows = TABLES[table]
+def foundry_rows(table: str) -> list[Published]:
+    profile, rows = FOUNDRY_TABLES[table]
     source = dataclasses.replace(LLM_FOUNDRY, name=f"llm-foundry {table}", profile=profile)
     published_rows = []
     for name, seq_len, gpus, micro, batch, tokens_per_s, checkpointing, params in rows:
@@ -291,24 +291,31 @@ def holdout_rows(table: str) -> list[Published]:
     return published_rows
 
 
+# Every hold-out table by name, and how its rows are made.
+HOLDOUT_TABLES: dict[str, Callable[[], list[Published]]] = {
+    **{table: functools.partial(foundry_rows, table) for table in FOUNDRY_TABLES},
+    TORCHTITAN_H100: torchtitan_h100_rows,
+}
+
+
+def holdout_rows(table: str) -> list[Published]:
+    return HOLDOUT_TABLES[table]()
+
+
 def render_markdown() -> str:
     """Each table's row count and errors, and the same split at sequence 8,192 where a table has both
     (docs/planning.md)."""
     lines = ["| table | rows | mean absolute error | mean signed error | worst |", "|---|---|---|---|---|"]
-    for table in [*TABLES, TORCHTITAN_H100]:
-        rows = holdout_rows(table)
+    for table, make_rows in HOLDOUT_TABLES.items():
+        rows = make_rows()
         short = [row for row in rows if row.seq_len <= 4096]
         splits = [("", rows)]
         if short and len(short) < len(rows):
             long = [row for row in rows if row.seq_len > 4096]
             splits += [(", sequences up to 4,096", short), (", sequences of 8,192 and more", long)]
         for label, chosen in splits:
-            errors = [row.error_points for row in chosen]
-            mean_abs, mean = sum(map(abs, errors)) / len(errors), sum(errors) / len(errors)
-            lines.append(
-                f"| {table}{label} | {len(errors)} | {mean_abs:.1f} | {mean:+.1f} | "
-                f"{max(errors, key=abs):+.1f} |"
-            )
+            mean_abs, mean, worst = error_summary(chosen)
+            lines.append(f"| {table}{label} | {len(chosen)} | {mean_abs:.1f} | {mean:+.1f} | {worst:+.1f} |")
     return "\n".join(lines) + "\n"
 
 

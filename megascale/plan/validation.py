@@ -318,9 +318,10 @@ TORCHTITAN_A100 = Source(
     "recomputation as torchtitan's policy of April 2024 (every second matmul and the element-wise "
     "operators recomputed)",
 )
+LLAMA3_8B = llama(4096, 32, 32, 8, 14336, 128256, 8192)
 TORCHTITAN_ROWS = [
     # (name, model, seq_len, local batch, activation checkpointing, tokens/s per GPU, parameters as counted)
-    ("Llama 3 8B", llama(4096, 32, 32, 8, 14336, 128256, 8192), 8192, 1, "selective op", 2973, 8.03e9),
+    ("Llama 3 8B", LLAMA3_8B, 8192, 1, "selective op", 2973, 8.03e9),
     ("Llama 3 70B", llama(8192, 80, 64, 8, 28672, 128256, 8192), 8192, 1, "full", 331, 70.6e9),
     ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 4096, 2, "none", 2162, 13.0e9),
     ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 4096, 2, "full", 353, 69.0e9),
@@ -464,6 +465,12 @@ def validation_rows() -> list[Published]:
     return [row for table in TABLES for row in table()]
 
 
+def error_summary(rows: list[Published]) -> tuple[float, float, float]:
+    """The rows' mean absolute error, mean signed error and worst error, in points."""
+    errors = [row.error_points for row in rows]
+    return sum(map(abs, errors)) / len(errors), sum(errors) / len(errors), max(errors, key=abs)
+
+
 def render_markdown() -> str:
     """Every validation row's published and predicted MFU, in its source's convention (docs/planning.md)."""
     rows = validation_rows()
@@ -478,10 +485,7 @@ def render_markdown() -> str:
             f"| {row.source.name} | {row.label} | {row.step_s:.2f} | {predicted:.2f} | "
             f"{100 * row.mfu:.1f}% | {100 * row.predicted_mfu:.1f}% | {row.error_points:+.1f} |"
         )
-    errors = [row.error_points for row in rows]
-    mean_abs = sum(abs(error) for error in errors) / len(errors)
-    mean = sum(errors) / len(errors)
-    worst = max(errors, key=abs)
+    mean_abs, mean, worst = error_summary(rows)
     agreeing = sum(row.search_agrees() for row in rows)
     lines += [
         "",
