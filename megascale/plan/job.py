@@ -162,8 +162,14 @@ class Features:
 
     tp_overlap: bool = False  # chunked all-gather/GEMM and GEMM/reduce-scatter (§3.2, Fig. 3)
     tp_overlap_attention: bool = False  # ... of the attention's projections too in a serial block
+    # Without that: the column-parallel layers' backward collectives behind their own gradient GEMMs
+    # (Megatron-LM from September 2021, LinearWithGradAccumulationAndAsyncCommunication).
+    tp_backward_overlap: bool = False
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
+    # Whether that overlap holds with a pipeline too: Megatron-LM in 2021-2022 ran torch's DDP, whose
+    # buckets reduce behind the last micro-batch's backward, only without one (validation.MEGATRON_2021).
+    dp_overlap_pipelined: bool = True
     fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
     # Without them, how the element-wise operators run: "kernels", one kernel each (Megatron-LM's, counted
     # as ELEMENTWISE_PASSES_UNFUSED), or "eager", the model's composite operators as torch's eager mode

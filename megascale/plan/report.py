@@ -106,6 +106,9 @@ def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: st
     features = SYSTEMS[system]
     overlaps = [name for name in ("tp", "pp", "dp", "cp") if getattr(features, f"{name}_overlap")]
     overlaps += ["ep"] if features.ep_overlap != "none" else []
+    overlaps += ["tp backward"] if features.tp_backward_overlap and not features.tp_overlap else []
+    if features.dp_overlap and not features.dp_overlap_pipelined:
+        overlaps[overlaps.index("dp")] = "dp without a pipeline"
     attention = "FlashAttention-2" if features.fused_kernels else features.attention_kernel
     stragglers = (
         f"{cluster.straggler_host_fraction:.3g} of hosts {cluster.straggler_slowdown:.0%} slower"

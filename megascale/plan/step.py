@@ -12,7 +12,8 @@ batch times for 1F1B, (pp - 1)/v for interleaved 1F1B with v chunks per rank (Na
 What each overlap of paper §3.2 hides:
 - TP/SP: the all-gather fused into the column-parallel GEMM and the reduce-scatter into the row-parallel
   one (Fig. 3) hide all but the first of TP_OVERLAP_CHUNKS chunks, as far as the GEMMs last; with a serial
-  block only the MLP's pair is fused, half the traffic.
+  block only the MLP's pair is fused, half the traffic. Without that fusion, Megatron-LM's column-parallel
+  backward still runs two collectives of each pair beside its gradient GEMMs (`tp_backward_overlap`).
 - CP: the ring's keys and values (and their gradients) sent while each ring step's attention blocks
   compute hide as far as the blocks last (`megascale.plan.context`).
 - PP: decoupled, asynchronous sends and receives leave no transfer on the critical path in the steady
@@ -20,7 +21,8 @@ What each overlap of paper §3.2 hides:
 - DP: per-chunk all-gathers before each chunk's forward and reduce-scatters after its backward leave only
   the last chunk's reduce-scatter, 1/(2v) of the traffic, exposed (the first all-gather overlaps data
   loading) -- as long as the compute is long enough to cover the rest; without a pipeline, block by
-  block behind one micro-batch's compute (`_dp_exposed_seconds`).
+  block behind one micro-batch's compute (`_dp_exposed_seconds`). Some systems overlap only without a
+  pipeline (`dp_overlap_pipelined`).
 Stragglers: synchronous training runs at the pace of its slowest host. With a fraction f of hosts slower by
 d (the cluster's: paper §5.1 saw about 0.5% of hosts, §6.3 about 10% slower), a job on n hosts computes
 at 1 + d * (1 - (1 - f)^n) times the healthy pace in expectation.
@@ -48,8 +50,10 @@ from megascale.plan.comm import (
 from megascale.plan.compute import (
     BlockTime,
     attention_linear_seconds,
+    attention_shapes,
     block_time,
     gemm_seconds,
+    mlp_shapes,
     output_layer_seconds,
 )
 from megascale.plan.context import context_problem, exposed_ring_seconds
@@ -213,8 +217,11 @@ def _megatron_tp_exposed_seconds(
     collectives = groups * pair_collectives(layout)
     payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     cross = group_spans_nodes(1, layout.tp, profile.devices_per_node)
-    comm_s = collectives * gather_or_scatter_seconds(payload, layout.tp, profile, cross)
+    collective_s = gather_or_scatter_seconds(payload, layout.tp, profile, cross)
+    comm_s = collectives * collective_s
     if not features.tp_overlap:
+        if features.tp_backward_overlap:
+            comm_s -= _column_backward_hidden_seconds(job, layout, profile, collective_s)
         return comm_s
     # A serial block fuses only the MLP's pair (paper §3.2), unless the attention's projections are fused
     # too (Megatron-Core's overlap of every tensor-parallel GEMM with its collective).
@@ -223,6 +230,31 @@ def _megatron_tp_exposed_seconds(
     fused_s = fused_share * comm_s
     exposed_fused_s = fused_s / TP_OVERLAP_CHUNKS + max(0.0, fused_s - fused_share * gemm_s)
     return comm_s - fused_s + exposed_fused_s
+
+
+def _column_backward_hidden_seconds(
+    job: Job, layout: Layout, profile: HardwareProfile, collective_s: float
+) -> float:
+    """What Megatron-LM's column-parallel backward hides of a block's tensor-parallel collectives, per
+    micro-batch (`Features.tp_backward_overlap`). Without sequence parallelism it all-reduces the input
+    gradient while the weight gradient's GEMM runs; with it, it gathers the saved input shard again while
+    the input gradient's GEMM runs and reduce-scatters that gradient while the weight gradient's does.
+    Either way two of `collective_s`, each hidden as far as its GEMM lasts (as long as the layer's
+    forward GEMM); a block's column-parallel layers are its q, k, v projections and its MLP's first (and
+    gate) projection, one layer per column/row-parallel pair."""
+    model = job.model
+    tokens = layout.micro_batch * layout.local_seq_len(job)
+    attention_in = attention_shapes(model, layout.tp)[:3]
+    mlp_in = mlp_shapes(model, layout.tp)[:-1]
+    pairs = [attention_in + mlp_in] if model.block == "parallel" else [attention_in, mlp_in]
+    hidden_s = 0.0
+    for shapes in pairs:
+        gemm_s = sum(gemm_seconds(tokens, n_in, n_out, profile, job.linear_dtype) for n_in, n_out in shapes)
+        if layout.sequence_parallel:
+            hidden_s += 2 * min(collective_s, gemm_s)
+        else:
+            hidden_s += min(2 * collective_s, gemm_s)
+    return hidden_s
 
 
 def pair_collectives(layout: Layout) -> int:
@@ -342,7 +374,8 @@ def _dp_exposed_seconds(
     m = layout.micro_batches(job)
     per_micro_batch = features.dp_sync_per_micro_batch and layout.zero_stage >= 2  # ZeRO-1: once a step
     total_s = sync_s * (m if per_micro_batch else 1)
-    if not features.dp_overlap or not total_s:
+    overlapped = features.dp_overlap and (layout.pp == 1 or features.dp_overlap_pipelined)
+    if not overlapped or not total_s:
         return total_s
     if layout.pp > 1:
         return max(total_s / (2 * layout.virtual_stages), total_s - m * micro_batch_s)

@@ -166,10 +166,22 @@ def published(
     return Published(source, label, model, seq_len, global_batch, layout, step_s, flops / (step_s * peak))
 
 
-# Megatron-LM as it ran in 2021-2022: no overlap of data-parallel or pipeline communication, attention
-# over materialised scores, data parallelism without a distributed optimizer, a host stall per step (the
-# MegaScale paper's baseline, before FlashAttention).
-MEGATRON_2021 = dataclasses.replace(MEGATRON, attention_kernel="materialized", zero_stages=(0,))
+# Megatron-LM as it ran in 2021-2022: no overlap of pipeline communication, attention over materialised
+# scores, data parallelism without a distributed optimizer, a host stall per step (the MegaScale paper's
+# baseline, before FlashAttention). The gradient all-reduce goes behind the backward without a pipeline,
+# where it ran torch's DDP, and after it with one, where it ran its own (SC'21's scripts, run_table_1.sh:
+# DDP=torch for pp = 1, DDP=local otherwise; only its schedule without a pipeline defers DDP's sync to
+# the last micro-batch).
+MEGATRON_2021 = dataclasses.replace(
+    MEGATRON,
+    attention_kernel="materialized",
+    zero_stages=(0,),
+    dp_overlap=True,
+    dp_overlap_pipelined=False,
+)
+# ... in 2022, with the column-parallel layers' backward collectives behind their gradient GEMMs
+# (September 2021 for the all-reduce, March 2022 for sequence parallelism's gather and reduce-scatter).
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, tp_backward_overlap=True)
 # ... as SC'21 ran it: before sequence parallelism and selective recomputation (Korthikanti et al. 2022),
 # and every run recomputing whole blocks, as its hardware FLOPs (Eq. 3) count the recomputed forward.
 MEGATRON_2021_SC21 = dataclasses.replace(MEGATRON_2021, sequence_parallel=False, recomputes=("full",))
@@ -207,7 +219,9 @@ SC21 = Source(
     convention="hardware FLOPs (Eq. 3: full recomputation counted), % of 312 TFLOP/s",
     features=MEGATRON_2021_SC21,
     profile=A100,
-    assumed="no sequence parallelism (it did not exist); data parallelism without ZeRO (zero_stage 0)",
+    assumed="no sequence parallelism (it did not exist); data parallelism without ZeRO (zero_stage 0): "
+    "torch's DDP without a pipeline, Megatron-LM's own after the backward with one (run_table_1.sh's "
+    "DDP=torch and DDP=local)",
 )
 SC21_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, TFLOP/s per GPU)
@@ -240,9 +254,10 @@ KORTHIKANTI = Source(
     where="Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3 and 5, and the 530B data-parallel run of "
     "§6.3; the MFU figures also in NVIDIA/Megatron-LM's README of May 2022",
     convention="model FLOPs (Appendix A), % of 312 TFLOP/s; iteration times as published",
-    features=MEGATRON_2021,
+    features=MEGATRON_2022,
     profile=A100,
-    assumed="the 1T model not interleaved (the paper names interleaving for 175B and 530B only)",
+    assumed="the 1T model not interleaved (the paper names interleaving for 175B and 530B only); the "
+    "Megatron-LM of its time (the column-parallel backward's collectives asynchronous)",
 )
 KORTHIKANTI_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, s with SP + selective
@@ -396,7 +411,11 @@ BLOOM = Source(
     # Its pipeline cuts 70 layers into 12 stages, so stages of unequal counts; DeepSpeed's pipeline engine
     # has no interleaved schedule.
     features=dataclasses.replace(
-        MEGATRON_2021_SC21, zero_stages=(1,), uneven_stages=True, interleaved_min_pp=None
+        MEGATRON_2021_SC21,
+        zero_stages=(1,),
+        uneven_stages=True,
+        interleaved_min_pp=None,
+        dp_overlap=False,  # DeepSpeed's ZeRO-1 reduces after the backward (no hooks: DeepSpeed PR 1246)
     ),
     profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
     assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "

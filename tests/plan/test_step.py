@@ -269,3 +269,60 @@ def test_a_system_running_the_block_eagerly_spends_longer_in_element_wise_work()
     assert eager.elementwise_s > kernels.elementwise_s and eager.gemm_s == kernels.gemm_s
     fused = block_time(job, layout, A100, fused_kernels=True, elementwise="eager")  # fusing wins
     assert fused.elementwise_s < kernels.elementwise_s
+
+
+def test_a_data_parallel_overlap_without_a_pipeline_leaves_a_pipelines_traffic_exposed():
+    """Megatron-LM of 2021-2022 ran torch's DDP (reduced behind the backward) only without a pipeline and
+    its own DDP (reduced after it) with one: a pipelined layout's data-parallel traffic stays whole."""
+    only_unpipelined = dataclasses.replace(MEGATRON, dp_overlap=True, dp_overlap_pipelined=False)
+    overlapped = dataclasses.replace(MEGATRON, dp_overlap=True)
+    pipelined = dict(pp=8, virtual_stages=1, devices=2048)
+    assert (
+        estimate(features=only_unpipelined, **pipelined).terms_s["dp_exposed"]
+        == estimate(features=MEGATRON, **pipelined).terms_s["dp_exposed"]
+        > estimate(features=overlapped, **pipelined).terms_s["dp_exposed"]
+    )
+    unpipelined = dict(pp=1, virtual_stages=1, devices=2048)
+    assert (
+        estimate(features=only_unpipelined, **unpipelined).terms_s["dp_exposed"]
+        == estimate(features=overlapped, **unpipelined).terms_s["dp_exposed"]
+        < estimate(features=MEGATRON, **unpipelined).terms_s["dp_exposed"]
+    )
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_megatrons_column_parallel_backward_hides_two_collectives_a_pair_behind_its_gemms(sequence_parallel):
+    """Megatron-LM's column-parallel backward (from 2021) runs two of a pair's collectives beside that
+    layer's input- and weight-gradient GEMMs: with GEMMs longer than the collectives (a serial block's
+    two pairs at 175B), the exposed time drops by 2 collectives a pair, computed here by hand."""
+    from megascale.plan.comm import gather_or_scatter_seconds
+    from megascale.plan.step import pair_collectives
+
+    model = MODEL_175B  # a serial block: attention and MLP, two column/row-parallel pairs
+    job = Job(model, seq_len=2048, global_batch=768)
+    layout = Layout(
+        tp=8, pp=8, dp=4, virtual_stages=1, micro_batch=1, recompute="selective",
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    backward = dataclasses.replace(MEGATRON, tp_backward_overlap=True)
+    plain = estimate_step(job, layout, MEGATRON, A100, Cluster(256))
+    hidden = estimate_step(job, layout, backward, A100, Cluster(256))
+    collective_s = gather_or_scatter_seconds(2048 * model.dim * 2, 8, A100, cross_node=False)
+    blocks_per_micro_batch = model.n_layers // 8
+    micro_batches = 768 // 4
+    per_block = 2 * pair_collectives(layout) * collective_s
+    assert plain.terms_s["tp_exposed"] == pytest.approx(micro_batches * blocks_per_micro_batch * per_block)
+    assert hidden.terms_s["tp_exposed"] == pytest.approx(
+        micro_batches * blocks_per_micro_batch * (per_block - 2 * 2 * collective_s)
+    )
+    # On a link 1000 times slower each collective outlasts its GEMM, which hides only its own length.
+    slow = dataclasses.replace(A100, intra_node_bytes_per_s=A100.intra_node_bytes_per_s / 1000)
+    exposed = estimate_step(job, layout, MEGATRON, slow, Cluster(256)).terms_s["tp_exposed"]
+    exposed_hidden = estimate_step(job, layout, backward, slow, Cluster(256)).terms_s["tp_exposed"]
+    tokens, dim = 2048, model.dim
+    attention_gemm_s = 3 * gemm_seconds(tokens, dim, dim // 8, A100, "bfloat16")  # q, k and v
+    mlp_gemm_s = gemm_seconds(tokens, dim, 4 * dim // 8, A100, "bfloat16")
+    gemms_hiding = 2 if sequence_parallel else 1  # input- and weight-gradient GEMMs, or the latter
+    assert exposed - exposed_hidden == pytest.approx(
+        micro_batches * blocks_per_micro_batch * gemms_hiding * (attention_gemm_s + mlp_gemm_s)
+    )
