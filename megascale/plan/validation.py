@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megascale.config import AttentionConfig, ModelConfig
+from megascale.errors import ConfigError
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
 from megascale.plan.job import MEGATRON, Cluster, Features, Job, Layout
@@ -105,7 +106,8 @@ class Published:
     global_batch: int
     layout: Layout
     step_s: float
-    mfu: float  # the published MFU, in the source's convention
+    mfu: float  # the published MFU, in the source's convention (of the bfloat16 peak)
+    fp8: bool = False  # whether the run's linear layers ran in float8
 
     @property
     def gpus(self) -> int:
@@ -113,7 +115,7 @@ class Published:
 
     @property
     def job(self) -> Job:
-        return Job(self.model, self.seq_len, self.global_batch)
+        return Job(self.model, self.seq_len, self.global_batch, fp8=self.fp8)
 
     def predict(self) -> StepEstimate:
         cluster = Cluster(self.gpus)  # stragglers are the MegaScale cluster's (paper §5.1), not these
@@ -130,11 +132,19 @@ class Published:
 
     def search_agrees(self) -> bool:
         """Whether `megascale plan`'s search, over the layouts the system can run, ranks the published one
-        among its first five or predicts it within 3 points of its own pick."""
+        among its first five or predicts it within 3 points of its own pick; not where the memory model
+        leaves no layout room."""
         features = self.source.features
-        plans = search(
-            self.job, Cluster(self.gpus), self.source.profile, features, skip_selective=features.fused_kernels
-        )
+        try:
+            plans = search(
+                self.job,
+                Cluster(self.gpus),
+                self.source.profile,
+                features,
+                skip_selective=features.fused_kernels,
+            )
+        except ConfigError:
+            return False
         shape = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.cp)
         top = [(plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.cp) for plan in plans[:5]]
         pick_mfu = self.mfu * self.step_s / plans[0].estimate.step_s
@@ -151,10 +161,11 @@ def published(
     step_s: float | None = None,
     tflops_per_gpu: float | None = None,
     tokens_per_s_per_gpu: float | None = None,
+    fp8: bool = False,
 ) -> Published:
     """A row of `job` (model, sequence length, global batch) from what its source gives: the iteration
     time, or a throughput (TFLOP/s per GPU under the source's FLOP formula, or tokens/s per GPU); the
-    other figures follow under that formula."""
+    other figures follow under that formula. `fp8`: the run's linear layers ran in float8."""
     model, seq_len, global_batch = job
     flops = global_batch * seq_len * flops_per_token(model, seq_len)
     peak = layout.devices * source.profile.peak_flops("bfloat16")
@@ -163,7 +174,8 @@ def published(
     elif tflops_per_gpu is not None:
         step_s = flops / (layout.devices * tflops_per_gpu * TERA)
     assert step_s is not None, "a row needs its step time or a throughput"
-    return Published(source, label, model, seq_len, global_batch, layout, step_s, flops / (step_s * peak))
+    mfu = flops / (step_s * peak)
+    return Published(source, label, model, seq_len, global_batch, layout, step_s, mfu, fp8)
 
 
 # Megatron-LM as it ran in 2021-2022: no overlap of pipeline communication, attention over materialised

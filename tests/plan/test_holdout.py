@@ -2,6 +2,7 @@
 figures, the A100 tables stay within the validation set's average bounds, and the docs show the errors
 the code produces."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,26 @@ def test_the_a100_tables_are_predicted_within_the_validation_sets_average_bounds
 def test_docs_show_the_holdout_errors_the_code_produces():
     docs = (REPO / "docs" / "planning.md").read_text()
     assert holdout.render_markdown() in docs, "regenerate with: python -m megascale.plan.holdout"
+
+
+def test_nemos_float8_rows_are_priced_with_float8_linear_layers_and_their_published_model_flops():
+    """Each NeMo row is a float8 job on its published layout; its model FLOPs per GPU come out as the
+    table's (Llama 2 70B on 64 H100s: 1,707 tokens/s per GPU, 759 model TFLOP/s)."""
+    rows = {
+        row.label.split(" tp")[0] + f" on {row.gpus}": row
+        for row in holdout.holdout_rows(holdout.NEMO_FP8_H100)
+    }
+    llama2 = rows["Llama 2 70B on 64"]
+    assert llama2.fp8 and llama2.job.fp8 and llama2.job.linear_dtype == "float8"
+    assert (llama2.layout.tp, llama2.layout.pp, llama2.layout.virtual_stages) == (4, 4, 20)
+    assert llama2.mfu * 989 == pytest.approx(759, rel=0.01)  # the 6N + 12 L h s convention
+    bfloat16 = dataclasses.replace(llama2, fp8=False)
+    assert llama2.predict().terms_s["gemm"] < 0.6 * bfloat16.predict().terms_s["gemm"]
+
+
+def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
+    """llm-foundry ran MPT-30b at 8,192 on 8 H100s; the search, allowing 90% of the device, finds no
+    layout that fits, so the row cannot agree (and does not raise)."""
+    rows = {row.label: row for row in holdout.holdout_rows("H100 80GB BF16")}
+    assert rows["MPT-30b at 8,192 on 8, micro-batch 1"].search_agrees() is False
+    assert rows["MPT-7b at 2,048 on 8, micro-batch 6"].search_agrees() is True
