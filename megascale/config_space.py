@@ -19,6 +19,7 @@ around a missing tuple, keep the candidate that covers most) is written here.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -340,6 +341,26 @@ def _search(
     return best
 
 
+VERDICTS_KEPT = 200_000  # megascale's verdicts a covering search remembers (about 150 MB)
+
+
+class Verdicts:
+    """`refusal` of a row, the most recent `kept` verdicts remembered by the row's values: a search for
+    triples scores millions of random rows, few of them twice, and remembering every verdict (by the
+    rows' items) took more than 12 GB."""
+
+    def __init__(self, refusal: Callable[[Row], str | None], kept: int = VERDICTS_KEPT) -> None:
+        keys = tuple(k.key for k in KNOBS)
+        self._keys = keys
+        self._verdict = functools.lru_cache(maxsize=kept)(lambda values: refusal(dict(zip(keys, values))))
+
+    def __call__(self, row: Row) -> str | None:
+        return self._verdict(tuple(row[key] for key in self._keys))
+
+    def remembered(self) -> int:
+        return self._verdict.cache_info().currsize
+
+
 def covering_rows(
     refusal: Callable[[Row], str | None],
     *,
@@ -366,13 +387,7 @@ def covering_rows(
     accepted row was found for is refused when megascale refuses it with every other knob at its default,
     and otherwise reported missed."""
     rng = random.Random(seed)
-    verdicts: dict[tuple, str | None] = {}
-
-    def refused_why(row: Row) -> str | None:
-        key = tuple(row.items())
-        if key not in verdicts:
-            verdicts[key] = refusal(row)
-        return verdicts[key]
+    refused_why = Verdicts(refusal)
 
     uncovered = {target for target in wanted(strength) if can_be_active(target)}
     # The tuples that need the costliest rows (the largest layouts, a compilation) are targeted first: their

@@ -72,3 +72,21 @@ def test_the_suite_runs_the_stored_every_pair_set_and_it_covers_todays_knobs():
         "--new-set (it stores a new set and writes docs/parity/pairs.md)"
     )
     assert covering(2).accepted == stored.accepted
+
+
+def test_a_covering_search_remembers_its_most_recent_verdicts_only():
+    """Scoring millions of random rows for triples, remembering every verdict took more than 12 GB: the
+    search keeps the most recent `kept`, by the rows' values, and asks again for an older one."""
+    asked = []
+
+    def refusal(row):
+        asked.append(row["training.micro_batch_size"])
+        return None if row["training.micro_batch_size"] % 2 else "even"
+
+    verdicts = config_space.Verdicts(refusal, kept=3)
+    rows = [{**config_space.default_row(), "training.micro_batch_size": size} for size in range(1, 11)]
+    assert [verdicts(row) for row in rows] == [None, "even"] * 5
+    assert verdicts.remembered() == 3
+    verdicts(rows[-1])  # remembered: not asked again
+    verdicts(rows[0])  # forgotten: asked again
+    assert asked == [*range(1, 11), 1]
