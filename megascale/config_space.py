@@ -19,6 +19,7 @@ around a missing tuple, keep the candidate that covers most) is written here.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -279,6 +280,7 @@ NEUTRAL: dict[str, str] = {
 }
 
 
+@functools.cache
 def knob(key: str) -> Knob:
     return next(k for k in KNOBS if k.key == key)
 
@@ -407,8 +409,10 @@ def covering_rows(
         if refused_why(row) is None and world_size(row) <= max_world:
             take(row)
     pinned = list(accepted)
+    # Targets in that order, once: each turn takes the first still uncovered (the order never changes).
+    queue = iter(sorted(uncovered, key=lambda item: (-least_cost[item], _order(item))))
     while uncovered:
-        target = min(uncovered, key=lambda item: (-least_cost[item], _order(item)))
+        target = next(item for item in queue if item in uncovered)
         # A costly row is searched harder (up to 10 times), so that few rows pay that much.
         effort = min(10, round(least_cost[target] / cheapest))
         effort = 10 if any(knob(key).costly for key, _ in target) else effort
@@ -446,6 +450,7 @@ def _cheapened(
     one knob and still holds every tuple no other row holds: a local search after the greedy cover, which
     drops what a row paid for early and no longer needs (a compilation, a larger layout)."""
     rows = list(rows)
+    holders = _holders(rows, strength)  # how many rows hold each tuple
     improved = True
     while improved:
         improved = False
@@ -453,8 +458,8 @@ def _cheapened(
             row = rows[index]
             if any(row is pin for pin in pinned):
                 continue
-            held_elsewhere = set().union(*(tuples_of(other, strength) for other in rows if other is not row))
-            unique = tuples_of(row, strength) - held_elsewhere
+            held = tuples_of(row, strength)
+            unique = {item for item in held if holders[item] == 1}
             for knob_ in KNOBS:
                 for value in knob_.values:
                     changed = canonical({**row, knob_.key: value})
@@ -465,6 +470,9 @@ def _cheapened(
                         and accepted(changed)
                     ):
                         row, improved = changed, True
+            if row is not rows[index]:
+                holders.subtract(held)
+                holders.update(tuples_of(row, strength))
             rows[index] = row
     return rows
 
@@ -475,14 +483,20 @@ def _without_redundant(
     """`rows` less those whose every tuple others hold too, the costliest dropped first (a greedy set
     cover picks early rows before the later ones make them redundant); `pinned` rows stay."""
     kept = list(rows)
+    holders = _holders(rows, strength)
     for row in sorted(rows, key=cost, reverse=True):
         if any(row is pin for pin in pinned):
             continue
-        others = [other for other in kept if other is not row]
-        held = set().union(*(tuples_of(other, strength) for other in others))
-        if tuples_of(row, strength) <= held:
-            kept = others
+        held = tuples_of(row, strength)
+        if all(holders[item] > 1 for item in held):
+            kept = [other for other in kept if other is not row]
+            holders.subtract(held)
     return kept
+
+
+def _holders(rows: list[Row], strength: int) -> collections.Counter:
+    """How many of `rows` hold each tuple: a tuple one row alone holds is that row's to keep."""
+    return collections.Counter(item for row in rows for item in tuples_of(row, strength))
 
 
 def wanted(strength: int) -> set[tuple]:
