@@ -313,7 +313,6 @@ NEMO = Source(
     assumed="the distributed optimizer (ZeRO-1); sequence parallelism with TP; no recomputation beyond "
     "FlashAttention's; the GPT-3 models' vocabulary padded to 50,304",
 )
-LLAMA2_70B = llama(8192, 80, 64, 8, 28672, 32000, 4096)
 # (name, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
 NEMO_ROWS = [
     ("GPT-3 5B", gpt(4096, 24, 32, 50304, 2048), 64, 2048, 4, 1, 1, 1, 1, 22521),
@@ -322,7 +321,7 @@ NEMO_ROWS = [
     ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 512, 2048, 2, 4, 8, 1, 6, 782),
     ("Llama 2 7B", llama(4096, 32, 32, 32, 11008, 32000, 4096), 8, 128, 1, 1, 1, 1, 1, 16847),
     ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 16, 128, 1, 1, 4, 1, 10, 8646),
-    ("Llama 2 70B", LLAMA2_70B, 64, 128, 1, 4, 4, 1, 20, 1707),
+    ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 64, 128, 1, 4, 4, 1, 20, 1707),
     ("Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 2, 1, 12036),
     ("Llama 3 70B", llama(8192, 80, 64, 8, 28672, 128256, 8192), 64, 128, 1, 4, 4, 2, 5, 1533),
 ]
