@@ -5,6 +5,7 @@ import itertools
 
 from megascale import config_space
 from megascale.config import all_keys, load_config
+from megascale.covering import Verdicts
 from tests.parallel.parity_matrix import STORED_PAIRS, covering, stored_pairs
 
 
@@ -83,7 +84,7 @@ def test_a_covering_search_remembers_its_most_recent_verdicts_only():
         asked.append(row["training.micro_batch_size"])
         return None if row["training.micro_batch_size"] % 2 else "even"
 
-    verdicts = config_space.Verdicts(refusal, kept=3)
+    verdicts = Verdicts(refusal, kept=3)
     rows = [{**config_space.default_row(), "training.micro_batch_size": size} for size in range(1, 11)]
     assert [verdicts(row) for row in rows] == [None, "even"] * 5
     assert verdicts.remembered() == 3

@@ -43,8 +43,9 @@ import transformers  # again, which costs seconds each)
 from megascale import config_space
 from megascale.checkpoint.checkpointer import load_model_weights
 from megascale.config import JobConfig, load_config
-from megascale.config_space import Covering, Row
+from megascale.config_space import Row
 from megascale.convert import export_hf, resolve_checkpoint
+from megascale.covering import Covering, covering_rows, wanted
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.metrics import read_metrics
@@ -244,7 +245,7 @@ ONE_PROCESS = {
 
 
 def _covering(strength: int, seed: int) -> Covering:
-    return config_space.covering_rows(
+    return covering_rows(
         refusal,
         strength=strength,
         required=(ONE_PROCESS,),
@@ -275,9 +276,9 @@ def stored_pairs() -> Covering | None:
     if not all(known(row) and refusal(row) == reason for _, row, reason in refused):
         return None
     held = {pair for pair, _, _ in refused}.union(*(config_space.tuples_of(row, 2) for row in accepted))
-    wanted = {pair for pair in config_space.wanted(2) if config_space.can_be_active(pair)}
+    activatable = {pair for pair in wanted(2) if config_space.can_be_active(pair)}
     one_process = any(config_space.world_size(row) == 1 for row in accepted)
-    return Covering(accepted, refused, [], 2) if wanted <= held and one_process else None
+    return Covering(accepted, refused, [], 2) if activatable <= held and one_process else None
 
 
 def store_pairs(cover: Covering) -> None:
