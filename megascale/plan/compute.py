@@ -187,9 +187,8 @@ def block_time(
         token_bytes = eager_elementwise_bytes(model, layout.tp, shard)
     else:
         passes: float = ELEMENTWISE_PASSES_FUSED if fused_kernels else ELEMENTWISE_PASSES_UNFUSED
-        if (
-            moe is None
-        ):  # the dense MLP's share is split over the tp ranks, with or without sequence parallelism
+        # The dense MLP's share is split over the tp ranks, with or without sequence parallelism.
+        if moe is None:
             passes = passes * (ELEMENTWISE_MLP_SHARE * shard / layout.tp + 1 - ELEMENTWISE_MLP_SHARE)
         token_bytes = model.dim * job.precision.activation_bytes * passes / shard
     elementwise_s = tokens * token_bytes / profile.hbm_bytes_per_s
