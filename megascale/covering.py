@@ -111,7 +111,7 @@ def covering_rows(
     rng = random.Random(seed)
     refused_why = Verdicts(refusal)
 
-    uncovered = {target for target in wanted(strength) if can_be_active(target)}
+    uncovered = activatable(strength)
     # The tuples that need the costliest rows (the largest layouts, a compilation) are targeted first: their
     # rows then take many cheap tuples along, instead of being added late for one tuple each.
     least_cost = {target: cost(fill(target, random.Random(0), default_row())) for target in uncovered}
@@ -226,6 +226,11 @@ def wanted(strength: int) -> set[tuple]:
         for values in itertools.product(*(k.values for k in knobs)):
             wanted.add(tuple(zip((k.key for k in knobs), values)))
     return wanted
+
+
+def activatable(strength: int) -> set[tuple]:
+    """The `strength`-tuples a covering set must hold: those whose values can be active together."""
+    return {target for target in wanted(strength) if can_be_active(target)}
 
 
 def _order(item: tuple) -> tuple:

@@ -45,7 +45,7 @@ from megascale.checkpoint.checkpointer import load_model_weights
 from megascale.config import JobConfig, load_config
 from megascale.config_space import Row
 from megascale.convert import export_hf, resolve_checkpoint
-from megascale.covering import Covering, covering_rows, wanted
+from megascale.covering import Covering, activatable, covering_rows
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.metrics import read_metrics
@@ -276,9 +276,8 @@ def stored_pairs() -> Covering | None:
     if not all(known(row) and refusal(row) == reason for _, row, reason in refused):
         return None
     held = {pair for pair, _, _ in refused}.union(*(config_space.tuples_of(row, 2) for row in accepted))
-    activatable = {pair for pair in wanted(2) if config_space.can_be_active(pair)}
     one_process = any(config_space.world_size(row) == 1 for row in accepted)
-    return Covering(accepted, refused, [], 2) if activatable <= held and one_process else None
+    return Covering(accepted, refused, [], 2) if activatable(2) <= held and one_process else None
 
 
 def store_pairs(cover: Covering) -> None:
