@@ -71,5 +71,11 @@ part timeline 80 python3 bench/observe_overhead.py --device cuda --ranks 1 --par
 part checkpoint 120 python3 bench/checkpoint.py --device cuda --layout 1x1 --parts stall,recovery \
     --gib 1 --rounds 3 --out "$out/checkpoint.json"
 
+# 5. Float8 (needs torchao, which the GPU image lacks: carry its wheel and put it on PYTHONPATH): GEMMs and
+#    linear layers against bfloat16, then the 1B Llama's step with float8 linear layers.
+part fp8-linear 150 python3 bench/fp8_linear.py --device cuda --out "$out/fp8_linear.json"
+part throughput-fp8 200 python3 bench/throughput.py --device cuda --compile --hf-fused --models 1b --dtypes bfloat16 \
+    --steps 8 --warmup 3 --set training.fp8=tensorwise --out "$out/throughput_fp8.json"
+
 # 1, continued: bfloat16 without compiling.
 [ -n "$corpus" ] && train_on_corpus bf16 --training.dtype=bfloat16

@@ -13,8 +13,8 @@ a softmax) stay in the compute precision; so do embeddings and the MoE experts' 
 are not linear layers.
 
 Conversion comes before tensor parallelism and FSDP (torchao's order). Gloo has no float8 type, so on
-CPU the float8 all-gather moves its bytes as uint8 (`ByteAllGather`); NCCL takes float8 as it is. The GPU
-path (float8 tensor cores, NCCL's float8 all-gather) has not run: untested.
+CPU the float8 all-gather moves its bytes as uint8 (`ByteAllGather`); NCCL takes float8 as it is. On one
+GPU (float8 tensor cores) it has run (docs/gpu.md); NCCL's float8 all-gather has not: untested.
 """
 
 from __future__ import annotations

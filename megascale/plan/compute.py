@@ -108,8 +108,9 @@ def gemm_seconds(m: float, k: float, n: float, profile: HardwareProfile, dtype: 
 
 
 def gemm_rate(profile: HardwareProfile, dtype: str) -> float:
-    """FLOP/s of a large GEMM: the library's best fraction of peak."""
-    return profile.peak_flops(dtype) * profile.gemm_efficiency
+    """FLOP/s of a large GEMM: the library's best fraction of peak (a smaller one at the float8 peak)."""
+    float8 = profile.float8_gemm_efficiency if dtype == "float8" else 1.0
+    return profile.peak_flops(dtype) * profile.gemm_efficiency * float8
 
 
 def gemm_compute_seconds(flops: float, profile: HardwareProfile, dtype: str) -> float:
@@ -228,19 +229,31 @@ def eager_elementwise_bytes(model: ModelConfig, tp: int, shard: int) -> float:
     return hidden + (rope + EAGER_ATTENTION_OUTPUT_BYTES * queries + mlp) / tp
 
 
-# Bytes of memory traffic per element a float8 linear layer casts, forward (its input) and backward (its
-# output gradient): the amax pass reads the 2-byte element, the cast reads it again and writes 1 byte.
-FLOAT8_CAST_BYTES = 2 + 2 + 1
+# Bytes of memory traffic a float8 linear layer (torchao's Float8Linear, dynamic per-tensor scaling) moves
+# per element of its input: cast in the forward (an amax pass reads the 2-byte element, the cast reads it
+# again and writes 1 byte) and again in the backward, for the weight-gradient GEMM's other layout (the
+# layer keeps its input in bf16).
+FLOAT8_INPUT_CAST_BYTES = 2 * (2 + 2 + 1)
+# ... per element of its output gradient: one amax pass, then a cast for each backward GEMM's layout.
+FLOAT8_GRAD_CAST_BYTES = 2 + 2 * (2 + 1)
+# ... per element of its weight, each micro-batch: cast in the forward and again in the backward, from a
+# 2-byte copy (FSDP's bf16 gather; a float32 weight cast directly moves 4 more bytes a pass).
+FLOAT8_WEIGHT_CAST_BYTES = 2 * (2 + 2 + 1)
+
+
+def float8_cast_bytes(tokens: float, n_in: int, n_out: int) -> float:
+    """Memory traffic of casting one float8 linear layer's operands, forward and backward: its input and
+    weight, and its output gradient (torchao's Float8Linear casts every operand of its three GEMMs)."""
+    activations = tokens * (n_in * FLOAT8_INPUT_CAST_BYTES + n_out * FLOAT8_GRAD_CAST_BYTES)
+    return activations + n_in * n_out * FLOAT8_WEIGHT_CAST_BYTES
 
 
 def float8_cast_seconds(job: Job, layout: Layout, profile: HardwareProfile, moe: bool) -> float:
-    """What casting to float8 adds to one block and micro-batch: every linear layer's input in the forward
-    and its output gradient in the backward, once each (the weights' casts are per layer, not per token,
-    and small), as memory traffic; an MoE layer's experts are not float8 (torchao converts nn.Linear)."""
+    """What casting to float8 adds to one block and micro-batch, every linear layer's casts as memory
+    traffic; an MoE layer's experts stay bf16 (torchao converts nn.Linear)."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     shapes = attention_shapes(job.model, layout.tp) if moe else linear_shapes(job.model, layout.tp)
-    elements = tokens * sum(n_in + n_out for n_in, n_out in shapes)
-    return elements * FLOAT8_CAST_BYTES / profile.hbm_bytes_per_s
+    return sum(float8_cast_bytes(tokens, n_in, n_out) for n_in, n_out in shapes) / profile.hbm_bytes_per_s
 
 
 def keys_per_query(seq_len: int, window: int | None) -> float:

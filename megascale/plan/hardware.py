@@ -48,6 +48,9 @@ class HardwareProfile:
     # sort, gather, scatter) add to its time, as a fraction of the grouped GEMMs' (plan/experts.py).
     grouped_gemm_efficiency: float
     moe_operator_overhead: float
+    # A float8 GEMM's fraction of the float8 peak, as a share of the fraction the GEMM curve above gives
+    # a bf16 GEMM of the same shape of the bf16 peak.
+    float8_gemm_efficiency: float
     network_efficiency: float  # fraction of the link bandwidth a collective achieves (bus bandwidth)
     # Host time per block per micro-batch the device cannot hide (0: launches run ahead):
     layer_overhead_s: float
@@ -102,6 +105,11 @@ def _peaks(device: str) -> dict[str, float]:
 #   (these thin GEMMs measured 0.85 and 0.71 of it), so the grouped GEMMs reached 0.64 and 0.63 of the
 #   curve's rate: grouped_gemm_efficiency 0.64 (0.74-0.76 of a measured same-shape GEMM's). The layer's
 #   other operators added 0.22-0.29 of the grouped GEMMs' time.
+# - Float8 GEMMs (cuBLAS through `torch._scaled_mm`, e4m3 operands, e5m2 gradients, per-tensor scales) at
+#   the forward and backward shapes of 8 linear layers of published float8 runs, on one H200: 0.56-0.71 of
+#   the float8 peak (mean 0.62) where bf16 reached 0.64-0.76 of its own (0.69), 1.66-2.01 times the bf16
+#   GEMM's rate (mean 1.81); against the curve's bf16 fraction at each shape, 0.83-1.05, mean 0.92
+#   (bench/fp8_linear.py, docs/gpu.md): float8_gemm_efficiency 0.92.
 # - NCCL small-message latency: a few microseconds over NVLink, about 10 us across RDMA.
 _GPU_CONSTANTS: dict[str, Any] = dict(
     gemm_efficiency=0.68,
@@ -110,6 +118,7 @@ _GPU_CONSTANTS: dict[str, Any] = dict(
     attention_half_flops=0.0,
     grouped_gemm_efficiency=0.64,
     moe_operator_overhead=0.25,
+    float8_gemm_efficiency=0.92,
     network_efficiency=0.80,
     layer_overhead_s=0.0,
     model_overhead_s=0.0,

@@ -120,6 +120,7 @@ def measured_profile(
         attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
         attention_half_flops=0.0,
         grouped_gemm_efficiency=1.0,  # no MoE probe: an MoE layer is priced by its experts' GEMMs alone
+        float8_gemm_efficiency=1.0,  # a CPU profile has no float8 peak
         moe_operator_overhead=0.0,
         network_efficiency=1.0,  # the bandwidths above are already what a collective achieved
         layer_overhead_s=measured["block_host_s"],  # the others: what TP and FSDP add to these
