@@ -152,6 +152,10 @@ def memory_limit_bytes(profile: HardwareProfile, devices: int) -> float:
     return MEMORY_HEADROOM * profile.hbm_bytes / sharing
 
 
+class NoLayoutFits(ConfigError):
+    """Every legal layout needs more memory per device than the search allows."""
+
+
 def search(
     job: Job,
     cluster: Cluster,
@@ -160,7 +164,8 @@ def search(
     fixed: dict[str, int] | None = None,
     skip_selective: bool = False,
 ) -> list[Plan]:
-    """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal or none fits.
+    """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal, NoLayoutFits
+    when none fits.
     The recomputation searched is the system's (`features.recomputes`); `skip_selective` leaves out
     selective recomputation, which is the same as none with fused attention."""
     recomputes = tuple(r for r in features.recomputes if not (skip_selective and r == "selective"))
@@ -186,7 +191,7 @@ def search(
         memory = smallest.estimate.memory
         state_bytes = memory.total_bytes - memory.activations_bytes
         fix = "use more --devices" if state_bytes > limit_bytes else "use more --devices or a smaller --batch"
-        raise ConfigError(
+        raise NoLayoutFits(
             f"plan: no layout fits {limit_bytes / 1e9:.1f} GB per device ({profile.name}); the smallest, "
             f"{smallest.layout.describe()}, needs "
             f"{memory.total_bytes / 1e9:.1f} GB ({state_bytes / 1e9:.1f} GB of it weights, gradients and "

@@ -20,11 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megascale.config import AttentionConfig, ModelConfig
-from megascale.errors import ConfigError
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
 from megascale.plan.job import MEGATRON, Cluster, Features, Job, Layout
-from megascale.plan.search import search
+from megascale.plan.search import NoLayoutFits, search
 from megascale.plan.step import StepEstimate, estimate_step
 
 A100, H100 = PROFILES["a100"], PROFILES["h100"]
@@ -143,7 +142,7 @@ class Published:
                 features,
                 skip_selective=features.fused_kernels,
             )
-        except ConfigError:
+        except NoLayoutFits:
             return False
         shape = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.cp)
         top = [(plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.cp) for plan in plans[:5]]

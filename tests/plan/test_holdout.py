@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megascale.errors import ConfigError
 from megascale.plan import holdout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,3 +55,11 @@ def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
     rows = {row.label: row for row in holdout.holdout_rows("H100 80GB BF16")}
     assert rows["MPT-30b at 8,192 on 8, micro-batch 1"].search_agrees() is False
     assert rows["MPT-7b at 2,048 on 8, micro-batch 6"].search_agrees() is True
+
+
+def test_a_published_row_no_layout_can_run_raises_instead_of_disagreeing():
+    """A batch that no layout of the run's GPUs divides is a wrong row, not a disagreement."""
+    row = holdout.holdout_rows("H100 80GB BF16")[0]
+    malformed = dataclasses.replace(row, global_batch=row.gpus + 1)
+    with pytest.raises(ConfigError, match="no legal layout"):
+        malformed.search_agrees()
