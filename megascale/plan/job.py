@@ -175,8 +175,9 @@ class Features:
     # as ELEMENTWISE_PASSES_UNFUSED), or "eager", the model's composite operators as torch's eager mode
     # runs them (an RMSNorm's upcast, square, mean and scalings each a pass; `eager_elementwise_bytes`).
     elementwise: str = "kernels"
-    # The attention kernel without them: FlashAttention-1 ("flash": Megatron-LM as the paper ran it) or
-    # materialised scores ("materialized": Megatron-LM before FlashAttention, 2021-2022).
+    # The attention kernel without them: FlashAttention-1 ("flash": Megatron-LM as the paper ran it),
+    # FlashAttention-2 ("flash2": torch's scaled_dot_product_attention on a GPU) or materialised scores
+    # ("materialized": Megatron-LM before FlashAttention, 2021-2022).
     attention_kernel: str = "flash"
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
     # Context parallelism's ring: each step's keys and values (and in the backward their gradients) sent
@@ -244,6 +245,7 @@ MEGASCALE = Features(
 # collectives and compute share the same cores).
 MEGASCALE_TRAINER = Features(
     dp_sync_per_micro_batch=True,
+    attention_kernel="flash2",
     moe_tp=("whole", "ep"),
     moe_attention="tp",
     pp_scatter_gather=False,

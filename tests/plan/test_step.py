@@ -11,6 +11,7 @@ from megascale.plan.job import (
     FP32_WEIGHTS,
     FP32_WEIGHTS_BF16_GATHERS,
     MEGASCALE,
+    MEGASCALE_TRAINER,
     MEGATRON,
     Cluster,
     Features,
@@ -111,6 +112,19 @@ def test_float8_gemms_reach_their_measured_share_of_the_float8_peak_and_casts_ar
     fp8 = block_time(dataclasses.replace(JOB, dtype="bfloat16", fp8=True), layout, h100, fused_kernels=True)
     assert fp8.elementwise_s - bf16.elementwise_s == pytest.approx(cast_bytes / 3350e9)
     assert fp8.gemm_s < bf16.gemm_s / 1.7
+
+
+def test_megascales_trainer_prices_its_attention_as_flashattention_2():
+    """The trainer calls torch's scaled_dot_product_attention, FlashAttention-2 on a GPU: the kernel the
+    Hopper attention curve was measured on (docs/gpu.md), not FlashAttention-1 at half its speed."""
+    job = Job(load_config(None, []).model, seq_len=2048, global_batch=8, dtype="bfloat16")
+    h100, layout = PROFILES["h100"], Layout(micro_batch=8, recompute="none")
+    trainer = estimate_step(job, layout, MEGASCALE_TRAINER, h100, Cluster(1))
+    fused = estimate_step(job, layout, MEGASCALE, h100, Cluster(1))
+    assert trainer.terms_s["attention"] == pytest.approx(fused.terms_s["attention"])
+    flash1 = dataclasses.replace(MEGASCALE_TRAINER, attention_kernel="flash")
+    slower = estimate_step(job, layout, flash1, h100, Cluster(1)).terms_s["attention"]
+    assert slower == pytest.approx(2 * trainer.terms_s["attention"])
 
 
 def test_full_recomputation_costs_a_forward_and_features_off_cost_time():
