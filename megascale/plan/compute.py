@@ -237,15 +237,17 @@ FLOAT8_INPUT_CAST_BYTES = 2 * (2 + 2 + 1)
 # ... per element of its output gradient: one amax pass, then a cast for each backward GEMM's layout.
 FLOAT8_GRAD_CAST_BYTES = 2 + 2 * (2 + 1)
 # ... per element of its weight, each micro-batch: cast in the forward and again in the backward, from a
-# 2-byte copy (FSDP's bf16 gather; a float32 weight cast directly moves 4 more bytes a pass).
+# 2-byte copy (FSDP's bf16 gather; a float32 weight cast directly moves 4 more bytes a pass); with the
+# float8 all-gather, each rank's shard before each of the micro-batch's two gathers instead.
 FLOAT8_WEIGHT_CAST_BYTES = 2 * (2 + 2 + 1)
 
 
-def float8_cast_bytes(tokens: float, n_in: int, n_out: int) -> float:
+def float8_cast_bytes(tokens: float, n_in: int, n_out: int, weight_shards: int = 1) -> float:
     """Memory traffic of casting one float8 linear layer's operands, forward and backward: its input and
-    weight, and its output gradient (torchao's Float8Linear casts every operand of its three GEMMs)."""
+    weight, and its output gradient (torchao's Float8Linear casts every operand of its three GEMMs); a
+    weight gathered in float8 is cast as `weight_shards` shards, one on each rank."""
     activations = tokens * (n_in * FLOAT8_INPUT_CAST_BYTES + n_out * FLOAT8_GRAD_CAST_BYTES)
-    return activations + n_in * n_out * FLOAT8_WEIGHT_CAST_BYTES
+    return activations + n_in * n_out * FLOAT8_WEIGHT_CAST_BYTES / weight_shards
 
 
 def float8_cast_seconds(job: Job, layout: Layout, profile: HardwareProfile, moe: bool) -> float:
@@ -253,7 +255,9 @@ def float8_cast_seconds(job: Job, layout: Layout, profile: HardwareProfile, moe:
     traffic; an MoE layer's experts stay bf16 (torchao converts nn.Linear)."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     shapes = attention_shapes(job.model, layout.tp) if moe else linear_shapes(job.model, layout.tp)
-    return sum(float8_cast_bytes(tokens, n_in, n_out) for n_in, n_out in shapes) / profile.hbm_bytes_per_s
+    shards = layout.fsdp_ranks if job.fp8_all_gather else 1
+    cast_bytes = sum(float8_cast_bytes(tokens, n_in, n_out, shards) for n_in, n_out in shapes)
+    return cast_bytes / profile.hbm_bytes_per_s
 
 
 def keys_per_query(seq_len: int, window: int | None) -> float:

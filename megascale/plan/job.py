@@ -38,6 +38,11 @@ FP32_WEIGHTS = Precision(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activa
 FP32_WEIGHTS_BF16_GATHERS = Precision(
     weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, gathered_block_bytes=2
 )
+# ... and with training.fp8_all_gather the blocks' float8 linear layers gathered a byte an element (their
+# norms, a sliver of a block, counted with them).
+FP32_WEIGHTS_FP8_GATHERS = Precision(
+    weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, gathered_block_bytes=1
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,9 @@ class Job:
     # at the float8 peak, plus casting their inputs and output gradients; attention, the output layer and
     # the MFU's peak stay in `dtype`.
     fp8: bool = False
+    # ... with their weights all-gathered in float8 (megascale's training.fp8_all_gather, torchao's float8
+    # all-gather): each rank casts its shard before each gather, and the layers cast no weight after.
+    fp8_all_gather: bool = False
 
     @property
     def linear_dtype(self) -> str:
@@ -292,11 +300,15 @@ def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
 def job_from_config(cfg: JobConfig) -> Job:
     """The step a megascale config trains: its model, sequence, global batch and precision."""
     training = cfg.training
+    precision = FP32_WEIGHTS_BF16_GATHERS if training.dtype == "bfloat16" else FP32_WEIGHTS
+    if training.fp8_all_gather and not cfg.model.moe.experts:  # MoE experts are gathered unconverted
+        precision = FP32_WEIGHTS_FP8_GATHERS
     return Job(
         cfg.model,
         cfg.data.seq_len,
         training.global_batch_size,
         training.dtype,
-        FP32_WEIGHTS_BF16_GATHERS if training.dtype == "bfloat16" else FP32_WEIGHTS,
+        precision,
         fp8=training.fp8 != "none",
+        fp8_all_gather=training.fp8_all_gather,
     )

@@ -1,10 +1,12 @@
 """The step model's terms: the bubble, what each overlap hides, stragglers, and FLOPs-to-seconds pieces."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from megascale.config import load_config
+from megascale.models.feed_forward import ffn_dim_of
 from megascale.plan.compute import block_time, gemm_seconds, keys_per_query
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import (
@@ -112,6 +114,34 @@ def test_float8_gemms_reach_their_measured_share_of_the_float8_peak_and_casts_ar
     fp8 = block_time(dataclasses.replace(JOB, dtype="bfloat16", fp8=True), layout, h100, fused_kernels=True)
     assert fp8.elementwise_s - bf16.elementwise_s == pytest.approx(cast_bytes / 3350e9)
     assert fp8.gemm_s < bf16.gemm_s / 1.7
+
+
+def test_a_float8_all_gather_moves_a_byte_an_element_and_casts_each_ranks_shard_of_the_weights():
+    """training.fp8_all_gather: FSDP gathers the float8 layers' weights a byte an element, each of the 8
+    ranks casting its eighth before each gather; an MoE model's experts are gathered as they are."""
+    from megascale.plan.job import job_from_config
+
+    args = ["--training.dtype=bfloat16", "--training.fp8=tensorwise", "--parallel.dp_shard=8"]
+    plain = job_from_config(load_config(None, args))
+    gathered = job_from_config(load_config(None, [*args, "--training.fp8_all_gather=true"]))
+    assert gathered.fp8_all_gather and gathered.precision.block_gather_bytes == 1
+    assert plain.precision.block_gather_bytes == 2
+    moe_toml = Path(__file__).resolve().parents[2] / "configs" / "moe.toml"
+    moe = job_from_config(load_config(moe_toml, [*args, "--training.fp8_all_gather=true"]))
+    assert moe.precision.block_gather_bytes == 2
+    h100, layout = PROFILES["h100"], Layout(dp=8, micro_batch=2)
+    model = plain.model
+    q, kv, ffn = (
+        model.dim,
+        model.dim * model.attention.n_kv_heads // model.attention.n_heads,
+        ffn_dim_of(model),
+    )
+    weights = model.dim * (q + 2 * kv) + q * model.dim + 3 * model.dim * ffn
+    saved_s = (
+        block_time(plain, layout, h100, False).elementwise_s
+        - block_time(gathered, layout, h100, False).elementwise_s
+    )
+    assert saved_s == pytest.approx(10 * weights * (1 - 1 / 8) / 3350e9)
 
 
 def test_megascales_trainer_prices_its_attention_as_flashattention_2():
