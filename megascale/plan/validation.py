@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
-from megascale.plan.job import MEGATRON, Cluster, Features, Job, Layout
+from megascale.plan.job import MEGATRON, MIXED_BF16, Cluster, Features, Job, Layout
 from megascale.plan.search import NoLayoutFits, search
 from megascale.plan.step import StepEstimate, estimate_step
 
@@ -107,6 +107,7 @@ class Published:
     step_s: float
     mfu: float  # the published MFU, in the source's convention (of the bfloat16 peak)
     fp8: bool = False  # whether the run's linear layers ran in float8
+    fp8_all_gather: bool = False  # ... and FSDP gathered their weights in float8 (torchao's all-gather)
 
     @property
     def gpus(self) -> int:
@@ -114,7 +115,17 @@ class Published:
 
     @property
     def job(self) -> Job:
-        return Job(self.model, self.seq_len, self.global_batch, fp8=self.fp8)
+        precision = MIXED_BF16
+        if self.fp8_all_gather:
+            precision = dataclasses.replace(MIXED_BF16, gathered_block_bytes=1)
+        return Job(
+            self.model,
+            self.seq_len,
+            self.global_batch,
+            precision=precision,
+            fp8=self.fp8,
+            fp8_all_gather=self.fp8_all_gather,
+        )
 
     def predict(self) -> StepEstimate:
         cluster = Cluster(self.gpus)  # stragglers are the MegaScale cluster's (paper §5.1), not these
@@ -161,10 +172,12 @@ def published(
     tflops_per_gpu: float | None = None,
     tokens_per_s_per_gpu: float | None = None,
     fp8: bool = False,
+    fp8_all_gather: bool = False,
 ) -> Published:
     """A row of `job` (model, sequence length, global batch) from what its source gives: the iteration
     time, or a throughput (TFLOP/s per GPU under the source's FLOP formula, or tokens/s per GPU); the
-    other figures follow under that formula. `fp8`: the run's linear layers ran in float8."""
+    other figures follow under that formula. `fp8`: the run's linear layers ran in float8;
+    `fp8_all_gather`: FSDP gathered their weights in float8."""
     model, seq_len, global_batch = job
     flops = global_batch * seq_len * flops_per_token(model, seq_len)
     peak = layout.devices * source.profile.peak_flops("bfloat16")
@@ -174,7 +187,7 @@ def published(
         step_s = flops / (layout.devices * tflops_per_gpu * TERA)
     assert step_s is not None, "a row needs its step time or a throughput"
     mfu = flops / (step_s * peak)
-    return Published(source, label, model, seq_len, global_batch, layout, step_s, mfu, fp8)
+    return Published(source, label, model, seq_len, global_batch, layout, step_s, mfu, fp8, fp8_all_gather)
 
 
 # Megatron-LM as it ran in 2021-2022: no overlap of pipeline communication, attention over materialised

@@ -49,6 +49,21 @@ def test_nemos_float8_rows_are_priced_with_float8_linear_layers_and_their_publis
     assert llama2.predict().terms_s["gemm"] < 0.6 * bfloat16.predict().terms_s["gemm"]
 
 
+def test_torchtitans_compiled_rows_run_element_wise_kernels_and_its_float8_rows_gather_in_float8():
+    """torchtitan's H100 Tables 1 and 3: eager, compiled and compiled + Float8 at 8 and 128 GPUs. Compiling
+    leaves the GEMMs as they are and shortens the element-wise work; Float8 runs the GEMMs at the float8
+    rate and all-gathers a byte an element, half the bytes of the bfloat16 gathers."""
+    rows = {row.label: row for row in holdout.holdout_rows(holdout.TORCHTITAN_H100)}
+    assert len(rows) == 6
+    eager, compiled, float8 = (rows[f"Llama 3.1 8B on 128, {t}"].predict() for t in holdout.TECHNIQUES)
+    assert compiled.terms_s["gemm"] == eager.terms_s["gemm"]
+    assert compiled.terms_s["elementwise"] < 0.8 * eager.terms_s["elementwise"]
+    assert float8.terms_s["gemm"] < 0.6 * compiled.terms_s["gemm"]
+    row = rows["Llama 3.1 8B on 128, FSDP + torch.compile + Float8"]
+    assert row.job.fp8_all_gather and row.job.precision.block_gather_bytes == 1
+    assert 256 * 8192 / (row.step_s * 128) == pytest.approx(8380)  # tokens/s per GPU, as published
+
+
 def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
     """llm-foundry ran MPT-30b at 8,192 on 8 H100s; the search, allowing 90% of the device, finds no
     layout that fits, so the row cannot agree (and does not raise)."""
