@@ -358,22 +358,31 @@ def _dp_exposed_seconds(
     Megatron's buckets), each behind the next block's compute, so one block's share stays exposed -- as
     long as the compute they can hide behind lasts: one micro-batch's forward and backward (gradients are
     reduced after the step's last micro-batch, weights gathered for its first), or, where they are synced
-    every micro-batch (FSDP with ZeRO-2/3), each micro-batch's own."""
+    every micro-batch (FSDP with ZeRO-2/3), each micro-batch's own. Under torch's pipelining schedules
+    (megascale's trainer, torchtitan) FSDP reduce-scatters once a step, after the last micro-batch
+    (`PipelineStage.perform_reduce_grad`), and keeps the weights gathered through each backward: ZeRO-3,
+    resharding them after each forward, gathers them for the first forward and again for each
+    micro-batch's backward; ZeRO-2 once."""
     precision = job.precision
-    gathers = 2 if layout.zero_stage >= 3 else 1  # ZeRO-3 gathers the weights again for the backward
     units = most_blocks(job, layout) + 1
-    sync_s = 0.0
+    scatter_s = gather_s = 0.0  # one reduce-scatter of the gradients, one all-gather of the weights
     groups = stage_param_groups(job, layout)
     for group, weight_bytes in zip(groups, gathered_bytes(job, layout, groups)):
         if group.ranks == 1:
             continue
-        sync_s += sum(
-            group_gather_or_scatter_seconds(total / units, group.stride, group.ranks, profile) * units
-            for total in (group.params * precision.grad_bytes, *[weight_bytes] * gathers)
+        scatter_s += units * group_gather_or_scatter_seconds(
+            group.params * precision.grad_bytes / units, group.stride, group.ranks, profile
         )
+        gather_s += units * group_gather_or_scatter_seconds(
+            weight_bytes / units, group.stride, group.ranks, profile
+        )
+    zero3 = layout.zero_stage >= 3
+    sync_s = scatter_s + gather_s * (2 if zero3 else 1)  # ZeRO-3 gathers the weights again for the backward
     m = layout.micro_batches(job)
     per_micro_batch = features.dp_sync_per_micro_batch and layout.zero_stage >= 2  # ZeRO-1: once a step
     total_s = sync_s * (m if per_micro_batch else 1)
+    if per_micro_batch and layout.pp > 1:
+        total_s = scatter_s + gather_s * (m + 1 if zero3 else 1)
     overlapped = features.dp_overlap and (layout.pp == 1 or features.dp_overlap_pipelined)
     if not overlapped or not total_s:
         return total_s

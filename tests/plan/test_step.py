@@ -144,6 +144,24 @@ def test_a_float8_all_gather_moves_a_byte_an_element_and_casts_each_ranks_shard_
     assert saved_s == pytest.approx(10 * weights * (1 - 1 / 8) / 3350e9)
 
 
+def test_under_a_pipeline_fsdp_reduce_scatters_once_a_step_and_zero_3_gathers_once_a_micro_batch():
+    """torch's pipelining schedules (megascale's trainer) hold FSDP's gradient sync to the step's end and
+    keep the weights gathered through each backward; without a pipeline the trainer syncs every
+    micro-batch. Nothing is overlapped in the trainer, so the DP term is all of the traffic."""
+    model = load_config(None, []).model
+
+    def dp_s(pp: int, zero_stage: int, micro_batches: int) -> float:
+        layout = Layout(pp=pp, dp=2, micro_batch=1, zero_stage=zero_stage, recompute="none")
+        job = Job(model, seq_len=256, global_batch=2 * micro_batches, dtype="bfloat16")
+        return estimate_step(job, layout, MEGASCALE_TRAINER, A100, Cluster(2 * pp)).terms_s["dp_exposed"]
+
+    assert dp_s(2, 2, 8) == pytest.approx(dp_s(2, 2, 1))  # one reduce-scatter, one gather a step
+    gather_s = dp_s(2, 3, 1) - dp_s(2, 2, 1)  # ZeRO-3's second gather of one micro-batch
+    assert gather_s > 0
+    assert dp_s(2, 3, 8) - dp_s(2, 3, 1) == pytest.approx(7 * gather_s)
+    assert dp_s(1, 2, 8) == pytest.approx(8 * dp_s(1, 2, 1))  # no pipeline: all of it every micro-batch
+
+
 def test_megascales_trainer_prices_its_attention_as_flashattention_2():
     """The trainer calls torch's scaled_dot_product_attention, FlashAttention-2 on a GPU: the kernel the
     Hopper attention curve was measured on (docs/gpu.md), not FlashAttention-1 at half its speed."""
@@ -164,10 +182,14 @@ def test_full_recomputation_costs_a_forward_and_features_off_cost_time():
 
 
 def test_megascales_trainer_syncs_every_micro_batch_but_at_zero_stage_1():
+    """Without a pipeline (under one, see the test below)."""
     trainer = dataclasses.replace(MEGASCALE, dp_sync_per_micro_batch=True, dp_overlap=False)
     once = dataclasses.replace(trainer, dp_sync_per_micro_batch=False)
-    dp_s = lambda features, stage: estimate(features, zero_stage=stage).terms_s["dp_exposed"]  # noqa: E731
-    micro_batches = Layout(dp=4, **LAYOUT_175B).micro_batches(JOB)
+    unpipelined = {"pp": 1, "virtual_stages": 1}
+    dp_s = lambda features, stage: estimate(  # noqa: E731
+        features, zero_stage=stage, **unpipelined
+    ).terms_s["dp_exposed"]
+    micro_batches = Layout(dp=4, **{**LAYOUT_175B, **unpipelined}).micro_batches(JOB)
     assert dp_s(trainer, 2) == pytest.approx(micro_batches * dp_s(once, 2))
     assert dp_s(trainer, 1) == pytest.approx(dp_s(once, 1))
 
