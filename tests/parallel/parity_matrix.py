@@ -110,8 +110,8 @@ TOLERANCES = {
 # A routed model in a precision other than float32: rounding that a layout splits otherwise (TP's and EP's
 # partial sums) can tip a token at a near-tie of its router to another expert, a discrete change of that
 # token's loss, a step's mean moving by it over the step's tokens. The every-triple set's bfloat16 MoE rows
-# with one expert a token differed by at most 6.1e-4 in loss but for two such jumps, 4.6e-3 and 1.2e-2,
-# where their float32 runs matched to 1e-6; the loss bound of such a row is twice the larger jump.
+# with one expert a token differed by at most 6.1e-4 in loss but for two such jumps, 4.6e-3 and 1.2e-2 (the
+# larger's row matches to 4.8e-7 in float32); the loss bound of such a row is twice the larger jump.
 ROUTED_LOSS = 2.5e-2
 
 
