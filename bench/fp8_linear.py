@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.record,
 from bench import kernel_efficiency  # noqa: E402
 from bench.record import save_record  # noqa: E402
 from megascale.observe.peak import device_name, peak_for  # noqa: E402
-from megascale.plan.compute import float8_cast_bytes, gemm_seconds  # noqa: E402
+from megascale.plan.compute import float8_cast_bytes, gemm_seconds, linear_gemms_seconds  # noqa: E402
 from megascale.plan.hardware import PROFILES, HardwareProfile  # noqa: E402
 
 # (name, tokens, in, out): a block's linear layers in published float8 runs at sequence 8192 (2048 for
@@ -154,9 +154,8 @@ def layer_figures(device: torch.device, scale: int, measure: Callable, compiled:
         for recipe in ("tensorwise", "rowwise"):
             if recipe in times and "bf16" in times:
                 figures[f"layer.{mode}.{name}.{recipe}_speedup"] = times["bf16"] / times[recipe]
-        gemms = [(tokens, n_in, n_out), (tokens, n_out, n_in), (n_out, tokens, n_in)]
-        bf16_s = sum(gemm_seconds(*shape, profile, "bfloat16") for shape in gemms)
-        fp8_s = sum(gemm_seconds(*shape, profile, "float8") for shape in gemms)
+        bf16_s = linear_gemms_seconds([(n_in, n_out)], tokens, profile, "bfloat16")
+        fp8_s = linear_gemms_seconds([(n_in, n_out)], tokens, profile, "float8")
         cast_s = float8_cast_bytes(tokens, n_in, n_out) / profile.hbm_bytes_per_s
         figures[f"layer.{mode}.{name}.planned_speedup"] = bf16_s / (fp8_s + cast_s)
 

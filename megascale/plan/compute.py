@@ -141,7 +141,7 @@ def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
     return attention_shapes(model, tp) + mlp_shapes(model, tp)
 
 
-def _gemms_seconds(
+def linear_gemms_seconds(
     shapes: list[tuple[int, int]], tokens: float, profile: HardwareProfile, dtype: str
 ) -> float:
     """Forward GEMM, then backward's two (input gradient and weight gradient), each of the same FLOPs and
@@ -154,8 +154,10 @@ def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile)
     sequence-parallel attention ("sp") whole on each rank's share of the sequence."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     if layout.attention == "sp":
-        return _gemms_seconds(attention_shapes(job.model, 1), tokens / layout.tp, profile, job.linear_dtype)
-    return _gemms_seconds(attention_shapes(job.model, layout.tp), tokens, profile, job.linear_dtype)
+        return linear_gemms_seconds(
+            attention_shapes(job.model, 1), tokens / layout.tp, profile, job.linear_dtype
+        )
+    return linear_gemms_seconds(attention_shapes(job.model, layout.tp), tokens, profile, job.linear_dtype)
 
 
 def block_time(
@@ -178,9 +180,9 @@ def block_time(
     if moe is not None:
         gemm_s += moe.gemm_s
     elif layout.attention == "sp":
-        gemm_s += _gemms_seconds(mlp_shapes(model, 1), tokens / layout.tp, profile, dtype)
+        gemm_s += linear_gemms_seconds(mlp_shapes(model, 1), tokens / layout.tp, profile, dtype)
     else:
-        gemm_s += _gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
+        gemm_s += linear_gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
     kernel = "flash2" if fused_kernels else attention_kernel
     attention_fwd_s, attention_bwd_s = attention_seconds(job, layout, profile, kernel)
     shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
