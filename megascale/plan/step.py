@@ -380,9 +380,10 @@ def _dp_exposed_seconds(
     sync_s = scatter_s + gather_s * (2 if zero3 else 1)  # ZeRO-3 gathers the weights again for the backward
     m = layout.micro_batches(job)
     per_micro_batch = features.dp_sync_per_micro_batch and layout.zero_stage >= 2  # ZeRO-1: once a step
-    total_s = sync_s * (m if per_micro_batch else 1)
     if per_micro_batch and layout.pp > 1:
         total_s = scatter_s + gather_s * (m + 1 if zero3 else 1)
+    else:
+        total_s = sync_s * (m if per_micro_batch else 1)
     overlapped = features.dp_overlap and (layout.pp == 1 or features.dp_overlap_pipelined)
     if not overlapped or not total_s:
         return total_s
