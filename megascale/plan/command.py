@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="How much slower a straggling host computes (default 0.10, the paper's §6.3).",
     )
-    parser.add_argument("--top", type=int, default=5, help="How many layouts to print (default 5).")
+    top_help = "How many splits of the devices (tp, pp, dp, cp) to print, each at its fastest (default 5)."
+    parser.add_argument("--top", type=int, default=5, help=top_help)
     parser.add_argument("--tp", type=int, help="Only layouts with this tensor-parallel degree.")
     parser.add_argument("--pp", type=int, help="Only layouts with this many pipeline stages.")
     parser.add_argument(

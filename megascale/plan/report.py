@@ -28,7 +28,7 @@ from megascale.plan.job import (
 )
 from megascale.plan.placement import choose_rank_order
 from megascale.plan.profiles import profile_named
-from megascale.plan.search import MEMORY_HEADROOM, Plan, memory_limit_bytes, search
+from megascale.plan.search import MEMORY_HEADROOM, Plan, fastest_per_split, memory_limit_bytes, search
 from megascale.plan.step import estimate_step
 
 SYSTEMS = {"megascale": MEGASCALE, "megatron-lm": MEGATRON, "trainer": MEGASCALE_TRAINER}
@@ -88,7 +88,7 @@ def plan_and_render(args) -> str:
         pinned = ("tp", "pp", "cp")
         fixed = {key: getattr(args, key) for key in pinned if getattr(args, key) is not None}
         plans = search(job, cluster, profile, features, fixed, skip_selective=features.fused_kernels)
-    return render(job, plans[: args.top], profile, cluster, system, args.explain)
+    return render(job, fastest_per_split(plans)[: args.top], profile, cluster, system, args.explain)
 
 
 def _with_network(profile: HardwareProfile, args) -> HardwareProfile:

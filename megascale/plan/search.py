@@ -7,7 +7,9 @@ ZeRO stages, recomputation and sequence parallelism: `Features`). A layout is le
 `megascale.parallel.dims.ParallelDims` enforces (degrees dividing heads and the vocabulary, the batch
 dividing evenly, at least pp micro-batches, interleaving needing a multiple of pp and as many stages as
 the system interleaves over, the sequence splitting into 2 x cp chunks); it is kept if its peak memory fits
-the device with MEMORY_HEADROOM to spare.
+the device with MEMORY_HEADROOM to spare. Every micro-batch size that divides a replica's share of the
+batch is tried, and every chunk count down to one layer a chunk: tuned runs use both (llm-foundry's
+micro-batches of 6 or 12, NeMo's Llama 2 70B at 20 chunks of one layer).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.step import StepEstimate, estimate_step
 
 MEMORY_HEADROOM = 0.9  # of device memory usable by the model: the allocator, CUDA context, NCCL buffers
-MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro-batch sizes searched: the published runs' span
-MAX_VIRTUAL_STAGES = 8  # model chunks per pipeline rank searched, at most (SC'21 ran up to 6)
 # Positions of each sequence a cp rank keeps, at least: the model leaves out what a ring step costs beyond
 # its transfer and blocks (launches, merging each step's output), which short chunks feel; Llama 3 ran
 # context parallelism at 131,072 over 16 ranks (8,192 each) and none at 8,192 (docs/planning.md).
@@ -35,6 +35,25 @@ MIN_CONTEXT_POSITIONS = 8192
 class Plan:
     layout: Layout
     estimate: StepEstimate
+
+    @property
+    def split(self) -> tuple[int | str, ...]:
+        """How the plan divides the devices (the degrees, and how an MoE layer uses the tp ranks); its
+        micro-batch, chunks, ZeRO stage and recomputation are how it runs that split."""
+        layout = self.layout
+        return (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.moe_tp, layout.attention)
+
+
+def fastest_per_split(plans: list[Plan]) -> list[Plan]:
+    """The fastest plan of each split of the devices, fastest first (`plans` sorted): the alternatives a
+    user chooses between, rather than one split's micro-batch sizes and chunk counts."""
+    seen: set[tuple[int | str, ...]] = set()
+    fastest = []
+    for plan in plans:
+        if plan.split not in seen:
+            seen.add(plan.split)
+            fastest.append(plan)
+    return fastest
 
 
 def divisors(n: int) -> list[int]:
@@ -55,9 +74,7 @@ def candidate_layouts(
     sp = features.sequence_parallel
     layouts = []
     for tp, pp, cp, dp in _degrees(job, devices, profile, features):
-        for micro_batch in MICRO_BATCHES:
-            if (job.global_batch // dp) % micro_batch:
-                continue
+        for micro_batch in divisors(job.global_batch // dp):
             micro_batches = job.global_batch // (dp * micro_batch)
             if pp > 1 and micro_batches < pp:
                 continue
@@ -134,7 +151,7 @@ def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features:
         return [1]
     interleaved = [
         v
-        for v in range(2, MAX_VIRTUAL_STAGES + 1)
+        for v in range(2, n_layers // pp + 1)
         if _stages_fit(n_layers, pp * v, features) and micro_batches % pp == 0
     ]
     return [1, *interleaved]

@@ -23,7 +23,7 @@ from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
 from megascale.plan.job import MEGATRON, MIXED_BF16, Cluster, Features, Job, Layout
-from megascale.plan.search import NoLayoutFits, search
+from megascale.plan.search import NoLayoutFits, fastest_per_split, search
 from megascale.plan.step import StepEstimate, estimate_step
 
 A100, H100 = PROFILES["a100"], PROFILES["h100"]
@@ -142,8 +142,9 @@ class Published:
 
     def search_agrees(self) -> bool:
         """Whether `megascale plan`'s search, over the layouts the system can run, ranks the published one
-        among its first five or predicts it within 3 points of its own pick; not where the memory model
-        leaves no layout room."""
+        among its first five splits of the devices (`fastest_per_split`, as `megascale plan` lists them)
+        or predicts it within 3 points of its own pick; not where the memory model leaves no layout
+        room."""
         features = self.source.features
         try:
             plans = search(
@@ -156,7 +157,10 @@ class Published:
         except NoLayoutFits:
             return False
         shape = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.cp)
-        top = [(plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.cp) for plan in plans[:5]]
+        top = [
+            (plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.cp)
+            for plan in fastest_per_split(plans)[:5]
+        ]
         pick_mfu = self.mfu * self.step_s / plans[0].estimate.step_s
         return shape in top or 100 * (pick_mfu - self.predicted_mfu) <= 3
 
@@ -281,7 +285,8 @@ KORTHIKANTI = Source(
     features=MEGATRON_2022,
     profile=A100,
     assumed="the 1T model not interleaved (the paper names interleaving for 175B and 530B only); the "
-    "Megatron-LM of its time (the column-parallel backward's collectives asynchronous)",
+    "Megatron-LM of its time (the column-parallel backward's collectives asynchronous, data parallelism "
+    "without the distributed optimizer: zero_stage 0)",
 )
 KORTHIKANTI_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, s with SP + selective
@@ -298,12 +303,12 @@ def korthikanti() -> list[Published]:
     for dim, layers, heads, tp, pp, gpus, batch, micro, chunks, selective_s, full_s in KORTHIKANTI_ROWS:
         model = gpt(dim, layers, heads, 51200, 2048)
         for recompute, sp, step_s in (("selective", True, selective_s), ("full", False, full_s)):
-            layout = Layout(tp, pp, gpus // (tp * pp), chunks, micro, 1, recompute, sp)
+            layout = Layout(tp, pp, gpus // (tp * pp), chunks, micro, 0, recompute, sp)
             label = f"{model_size(model)} tp{tp} pp{pp} on {gpus}, {recompute} recompute"
             job = (model, 2048, batch)
             rows.append(published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=step_s))
     model = gpt(20480, 105, 128, 51200, 2048)  # §6.3: the 530B model on 8 data-parallel replicas
-    layout = Layout(8, 35, 8, 3, 1, 1, "selective", True)
+    layout = Layout(8, 35, 8, 3, 1, 0, "selective", True)  # before the distributed optimizer
     label, job = "530B tp8 pp35 dp8 on 2,240", (model, 2048, 2240)
     rows.append(published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=39.15))
     return rows

@@ -32,6 +32,16 @@ def test_plan_prints_the_best_layouts_placement_and_overrides(capsys):
     assert "train #1 with: --parallel.tp=" in out and "--parallel.rank_order=tp-dp-pp" in out
 
 
+def test_the_listed_layouts_are_different_splits_of_the_devices(capsys):
+    # Each line is a choice between splits: one split's other micro-batch sizes or chunk counts are not
+    # alternatives to list (the 175B job's fastest plans are one split's chunk counts).
+    status, out, _ = plan(capsys, "--config", PAPER_175B, "--devices", "256", "--batch", "768", "--top", "5")
+    assert status == 0
+    rows = [line.split() for line in out.splitlines() if line.lstrip()[:2] in ("1 ", "2 ", "3 ", "4 ", "5 ")]
+    splits = [tuple(word for word in row if word[:2] in ("tp", "pp", "dp", "cp")) for row in rows]
+    assert len(splits) == 5 and len(set(splits)) == 5, splits
+
+
 def test_explain_lists_every_term_memory_and_the_profile(capsys):
     status, out, _ = plan(
         capsys,

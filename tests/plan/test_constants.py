@@ -11,7 +11,7 @@ def test_every_model_constant_has_a_source():
     expected = {
         ("compute", "FLOAT8_GRAD_CAST_BYTES"),
         ("step", "TP_OVERLAP_CHUNKS"),
-        ("search", "MICRO_BATCHES"),
+        ("search", "MEMORY_HEADROOM"),
     }
     assert expected <= names
     assert all(c.source for c in constants), [c.name for c in constants if not c.source]
