@@ -92,6 +92,9 @@ class Source:
     features: Features
     profile: HardwareProfile
     assumed: str
+    # The peak the source's MFU divides by, where its devices ran below the profile's datasheet one
+    # (torchtitan's power-capped H100s, reported against the SXM's 989 TFLOP/s); None: the profile's.
+    mfu_peak_tflops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,10 @@ def published(
     `fp8_all_gather`: FSDP gathered their weights in float8."""
     model, seq_len, global_batch = job
     flops = global_batch * seq_len * flops_per_token(model, seq_len)
-    peak = layout.devices * source.profile.peak_flops("bfloat16")
+    peak_per_device = source.profile.peak_flops("bfloat16")
+    if source.mfu_peak_tflops is not None:
+        peak_per_device = source.mfu_peak_tflops * TERA
+    peak = layout.devices * peak_per_device
     if tokens_per_s_per_gpu is not None:
         step_s = global_batch * seq_len / (layout.devices * tokens_per_s_per_gpu)
     elif tflops_per_gpu is not None:

@@ -64,6 +64,20 @@ def test_torchtitans_compiled_rows_run_element_wise_kernels_and_its_float8_rows_
     assert 256 * 8192 / (row.step_s * 128) == pytest.approx(8380)  # tokens/s per GPU, as published
 
 
+def test_torchtitans_power_capped_h100s_compute_below_the_sxm_peak_its_mfu_divides_by():
+    """torchtitan ran H100s of 96 GB at 500 W, whose peak its benchmark puts between the SXM's and the
+    NVL's (989 and 835 TFLOP/s in bf16) while its MFU divides by the SXM's: the rows are predicted at the
+    lower rate and reported against 989."""
+    row = holdout.holdout_rows(holdout.TORCHTITAN_H100)[0]
+    profile = row.source.profile
+    assert 835e12 < profile.peak_flops("bfloat16") < 989e12
+    assert 1671e12 < profile.peak_flops("float8") < 1979e12
+    flops_per_token = 6 * 8.03e9 + 12 * 32 * 4096 * 8192
+    assert row.mfu == pytest.approx(5762 * flops_per_token / 989e12)  # 8 GPUs, FSDP: 5,762 tokens/s each
+    at_sxm_peak = dataclasses.replace(row, source=dataclasses.replace(row.source, profile=holdout.H100))
+    assert row.predict().terms_s["gemm"] == pytest.approx(at_sxm_peak.predict().terms_s["gemm"] * 989 / 912)
+
+
 def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
     """llm-foundry ran MPT-30b at 8,192 on 8 H100s; the search, allowing 90% of the device, finds no
     layout that fits, so the row cannot agree (and does not raise)."""
