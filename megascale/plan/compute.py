@@ -8,9 +8,10 @@ Three kinds of work, each timed by what limits it:
   compute-bound GEMM of f FLOPs thus reaches `e(f) = e_max * f / (f + f_half)` of peak (the curve
   `bench/kernel_efficiency.py` fits), and a thin one (a router's, a small micro-batch's) is bound by its
   bytes. Wave quantisation over the device's SMs is not modelled.
-- Attention's two score matmuls, in a FlashAttention kernel that skips the masked half of a causal square:
-  FlashAttention-2 (paper §3.3) at an achieved fraction of peak, FlashAttention-1 (what a system without
-  the paper's operators runs) at half that speed. A sliding window (paper §3.1) caps the keys per query.
+- Attention's two score matmuls, in a fused kernel that skips the masked half of a causal square: the
+  device's fastest (FlashAttention-2 on Ampere, paper §3.3; cuDNN's on Hopper) at an achieved fraction of
+  peak, FlashAttention-2 on Hopper at 0.62 of it, FlashAttention-1 (what a system without the paper's
+  operators runs) at half FlashAttention-2's speed. A sliding window (paper §3.1) caps the keys per query.
   Before FlashAttention (Megatron-LM until 2022) the scores were materialised: both matmuls over the
   whole square as batched GEMMs, and the square's elements through memory by the softmax, the dropout
   and the matmuls that read them (`MATERIALIZED_BYTES_*`); selective recomputation redoes all of it.
@@ -171,8 +172,8 @@ def block_time(
 ) -> BlockTime:
     """One block, one micro-batch, forward + backward (and recomputation), on one device; with `moe`,
     a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`). The attention runs in
-    FlashAttention-2 with `fused_kernels`, else in `attention_kernel`: FlashAttention-1 ("flash") or
-    over materialised scores ("materialized"); the element-wise operators as `elementwise` says
+    the device's fastest fused kernel with `fused_kernels`, else in `attention_kernel`
+    (`attention_seconds`); the element-wise operators as `elementwise` says
     (`Features.elementwise`)."""
     model, dtype = job.model, job.linear_dtype
     tokens = layout.micro_batch * layout.local_seq_len(job)
@@ -183,7 +184,7 @@ def block_time(
         gemm_s += linear_gemms_seconds(mlp_shapes(model, 1), tokens / layout.tp, profile, dtype)
     else:
         gemm_s += linear_gemms_seconds(mlp_shapes(model, layout.tp), tokens, profile, dtype)
-    kernel = "flash2" if fused_kernels else attention_kernel
+    kernel = "fused" if fused_kernels else attention_kernel
     attention_fwd_s, attention_bwd_s = attention_seconds(job, layout, profile, kernel)
     shard = layout.tp if layout.sequence_parallel or layout.attention == "sp" else 1
     if moe is None and not fused_kernels and elementwise == "eager":
@@ -269,10 +270,12 @@ def keys_per_query(seq_len: int, window: int | None) -> float:
 
 
 def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel: str) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core of one block and micro-batch: in a FlashAttention
-    kernel ("flash2", "flash" at half its speed), whose backward costs two forwards, or over materialised
-    scores ("materialized"). Under context parallelism a rank computes its queries against every key, 1/cp
-    of the causal work (its chunks balance it), in cp ring steps, one kernel's worth each."""
+    """(forward, backward) seconds of the attention core of one block and micro-batch: in a fused kernel,
+    the device's fastest ("fused", the attention curve's), FlashAttention-2 ("flash2", at the profile's
+    `flash2_attention_speed` of it) or FlashAttention-1 ("flash", at half FlashAttention-2's), whose
+    backward costs two forwards, or over materialised scores ("materialized"). Under context parallelism
+    a rank computes its queries against every key, 1/cp of the causal work (its chunks balance it), in cp
+    ring steps, one kernel's worth each."""
     model = job.model
     heads = model.attention.n_heads // layout.tp
     head_dim = head_dim_of(model)
@@ -289,7 +292,9 @@ def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel
         )
     keys = keys_per_query(job.seq_len, model.attention.window)
     flops = 4 * queries * keys * heads * head_dim
-    efficiency = profile.attention_efficiency * (1.0 if kernel == "flash2" else FLASH_ATTENTION_1_SPEED)
+    speed = {"fused": 1.0, "flash2": profile.flash2_attention_speed}
+    speed["flash"] = FLASH_ATTENTION_1_SPEED * speed["flash2"]
+    efficiency = profile.attention_efficiency * speed[kernel]
     if profile.attention_half_flops:  # small kernels (few heads per rank, a ring step's) fill fewer units
         kernel_flops = flops / layout.cp
         efficiency *= 3 * kernel_flops / (3 * kernel_flops + profile.attention_half_flops)

@@ -82,7 +82,7 @@ def exposed_ring_seconds(job: Job, layout: Layout, profile: HardwareProfile, fea
     transfer_s = ring_transfer_seconds(job, layout, profile)
     if not features.cp_overlap:
         return ring_messages(layout) * transfer_s
-    kernel = "flash2" if features.fused_kernels else features.attention_kernel
+    kernel = "fused" if features.fused_kernels else features.attention_kernel
     forward_s, backward_s = attention_seconds(job, layout, profile, kernel)
     steps = layout.cp
     forward_passes = 2 if layout.recompute == "full" else 1

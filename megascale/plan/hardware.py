@@ -41,8 +41,13 @@ class HardwareProfile:
     # Calibration constants (documented in docs/planning.md), the same for every GPU profile:
     gemm_efficiency: float  # fraction of peak a large GEMM reaches
     gemm_half_flops: float  # GEMM size (FLOPs) at which it reaches half of gemm_efficiency
-    attention_efficiency: float  # fraction of peak of a fused (FlashAttention-2) attention kernel
-    attention_half_flops: float  # its work (FLOPs, forward + backward) at half that fraction; 0: any size
+    # Fraction of peak of the device's fastest fused attention kernel (FlashAttention-2 on Ampere, cuDNN's
+    # on Hopper), and its work (FLOPs, forward + backward) at half that fraction; 0: any size.
+    attention_efficiency: float
+    attention_half_flops: float
+    # FlashAttention-2's rate as a fraction of that kernel's: 1 where it is that kernel (Ampere), 0.62 on
+    # Hopper (the FlashAttention-3 paper's H100 figures, against cuDNN's fused attention).
+    flash2_attention_speed: float
     # An MoE layer's experts as one grouped GEMM per projection: the fraction it reaches of the rate the
     # GEMM curve above gives a GEMM of one expert's shape, and what the layer's other operators (router,
     # sort, gather, scatter) add to its time, as a fraction of the grouped GEMMs' (plan/experts.py).
@@ -95,9 +100,15 @@ def _peaks(device: str) -> dict[str, float]:
 #   under ~1 GFLOP fall off.
 # - FlashAttention-2 reaches 50-73% of peak forward+backward on A100 (Dao 2023, arXiv 2307.08691, Fig. 6).
 # - NCCL ring collectives reach about 80% of the link rate as bus bandwidth (nccl-tests' busbw definition).
-# - Causal attention (torch's SDPA, FlashAttention-2) forward + backward at sequence 8192, head size 128 on
-#   one H100 in bf16: 0.24 of peak with 4 heads (one of 8 ranks' share of 32) and 0.40 with 32, which the
-#   attention curve e(f) = 0.45 f / (f + 1.7e11) passes through (Hopper profiles; bench/kernel_efficiency.py).
+# - Causal attention (torch's SDPA) forward + backward at sequence 8192, head size 128 on one H100 in bf16:
+#   0.24 of peak with 4 heads (one of 8 ranks' share of 32) and 0.40 with 32, which the attention curve
+#   e(f) = 0.45 f / (f + 1.7e11) passes through (Hopper profiles; bench/kernel_efficiency.py). That is above
+#   what FlashAttention-2 reaches on an H100 (its causal forward at most 335 TFLOP/s): a Hopper-native
+#   kernel, as cuDNN's fused attention (Transformer Engine's) is.
+# - FlashAttention-2 on an H100 SXM5 runs at 0.61-0.63 of cuDNN's fused attention, causal, head size 128,
+#   forward, sequences 512 to 16k (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, Fig. 5: 191-335
+#   against 315-539 TFLOP/s): flash2_attention_speed 0.62 on Hopper (torch's SDPA ran it there in late 2024,
+#   pytorch/pytorch#141133); on Ampere FlashAttention-2 is the fastest kernel (1.0).
 # - An MoE layer's grouped GEMMs, at the two shapes of plan/paper_moe.py on one H100 in bf16 (768 slots per
 #   expert; bench/kernel_efficiency.py, bench/results/h100/kernel_efficiency.json; docs/gpu.md), ran at
 #   0.48 and 0.41 of peak: 0.63 and 0.54 of the 0.76 the largest GEMM measured reached, which is what
@@ -116,6 +127,7 @@ _GPU_CONSTANTS: dict[str, Any] = dict(
     gemm_half_flops=2e9,
     attention_efficiency=0.55,
     attention_half_flops=0.0,
+    flash2_attention_speed=1.0,
     grouped_gemm_efficiency=0.64,
     moe_operator_overhead=0.25,
     float8_gemm_efficiency=0.92,
@@ -146,6 +158,7 @@ _HOPPER_CONSTANTS: dict[str, Any] = {
     **_GPU_CONSTANTS,
     "attention_efficiency": 0.45,
     "attention_half_flops": 1.7e11,
+    "flash2_attention_speed": 0.62,
 }
 
 # Blackwell has no measurement of its own here: the Hopper figures stand in for its attention kernel.

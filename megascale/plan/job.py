@@ -178,14 +178,16 @@ class Features:
     # Whether that overlap holds with a pipeline too: Megatron-LM in 2021-2022 ran torch's DDP, whose
     # buckets reduce behind the last micro-batch's backward, only without one (validation.MEGATRON_2021).
     dp_overlap_pipelined: bool = True
-    fused_kernels: bool = False  # FlashAttention-2, fused LayerNorm and GeLU (§3.3)
+    # The device's fastest fused attention (FlashAttention-2 on Ampere, §3.3), fused LayerNorm and GeLU.
+    fused_kernels: bool = False
     # Without them, how the element-wise operators run: "kernels", one kernel each (Megatron-LM's, counted
     # as ELEMENTWISE_PASSES_UNFUSED), or "eager", the model's composite operators as torch's eager mode
     # runs them (an RMSNorm's upcast, square, mean and scalings each a pass; `eager_elementwise_bytes`).
     elementwise: str = "kernels"
-    # The attention kernel without them: FlashAttention-1 ("flash": Megatron-LM as the paper ran it),
-    # FlashAttention-2 ("flash2": torch's scaled_dot_product_attention on a GPU) or materialised scores
-    # ("materialized": Megatron-LM before FlashAttention, 2021-2022).
+    # The attention kernel without them: the device's fastest ("fused": torch's scaled_dot_product_attention
+    # as megascale's torch runs it, measured at that rate on an H100 and an H200), FlashAttention-2
+    # ("flash2": torch's SDPA in 2024), FlashAttention-1 ("flash": Megatron-LM as the paper ran it) or
+    # materialised scores ("materialized": Megatron-LM before FlashAttention, 2021-2022).
     attention_kernel: str = "flash"
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
     # Context parallelism's ring: each step's keys and values (and in the backward their gradients) sent
@@ -253,7 +255,7 @@ MEGASCALE = Features(
 # collectives and compute share the same cores).
 MEGASCALE_TRAINER = Features(
     dp_sync_per_micro_batch=True,
-    attention_kernel="flash2",
+    attention_kernel="fused",
     moe_tp=("whole", "ep"),
     moe_attention="tp",
     pp_scatter_gather=False,

@@ -119,6 +119,7 @@ def measured_profile(
         gemm_half_flops=small_flops * (1 / small_efficiency - 1),
         attention_efficiency=small_efficiency,  # timed like a small GEMM: a few % of these runs' FLOPs
         attention_half_flops=0.0,
+        flash2_attention_speed=1.0,  # the one kernel the probes time
         grouped_gemm_efficiency=1.0,  # no MoE probe: an MoE layer is priced by its experts' GEMMs alone
         float8_gemm_efficiency=1.0,  # a CPU profile has no float8 peak
         moe_operator_overhead=0.0,

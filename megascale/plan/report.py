@@ -32,6 +32,12 @@ from megascale.plan.search import MEMORY_HEADROOM, Plan, fastest_per_split, memo
 from megascale.plan.step import estimate_step
 
 SYSTEMS = {"megascale": MEGASCALE, "megatron-lm": MEGATRON, "trainer": MEGASCALE_TRAINER}
+ATTENTION_KERNELS = {  # as the assumptions line names them (`megascale.plan.compute.attention_seconds`)
+    "fused": "fused (the device's fastest)",
+    "flash2": "FlashAttention-2",
+    "flash": "FlashAttention-1",
+    "materialized": "over materialised scores",
+}
 GROUPS = {
     "compute": ("gemm", "attention", "elementwise", "host_dispatch", "recompute", "output_layer"),
     "comm": ("tp_exposed", "ep_exposed", "cp_exposed", "pp_exposed", "dp_exposed"),
@@ -42,8 +48,9 @@ EXPLAIN = {
     "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
     "6 x tokens x weights FLOPs, each GEMM on a roofline by its shape (its FLOPs or its bytes, plus a "
     "launch; at the float8 peak with --fp8)",
-    "attention": "score matmuls: FlashAttention-2 with fused kernels, else FlashAttention-1 at half its "
-    "speed or materialised scores (their memory traffic counted)",
+    "attention": "score matmuls: the device's fastest fused kernel (with fused kernels, and torch's SDPA), "
+    "FlashAttention-2 at flash2_attention_speed of it, FlashAttention-1 at half that, or materialised "
+    "scores (their memory traffic counted)",
     "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
     "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs; with --fp8, the "
     "casts of each linear layer's input and output gradient",
@@ -109,7 +116,8 @@ def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: st
     overlaps += ["tp backward"] if features.tp_backward_overlap and not features.tp_overlap else []
     if features.dp_overlap and not features.dp_overlap_pipelined:
         overlaps[overlaps.index("dp")] = "dp without a pipeline"
-    attention = "FlashAttention-2" if features.fused_kernels else features.attention_kernel
+    kernel = "fused" if features.fused_kernels else features.attention_kernel
+    attention = ATTENTION_KERNELS[kernel]
     stragglers = (
         f"{cluster.straggler_host_fraction:.3g} of hosts {cluster.straggler_slowdown:.0%} slower"
         if cluster.straggler_host_fraction

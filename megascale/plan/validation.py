@@ -232,7 +232,8 @@ MEGATRON_CORE = Features(
     host_overhead_s=0.2,
 )
 # FSDP (PyTorch's, in torchtitan and Composer, uncompiled): per-block all-gathers prefetched, reduce-
-# scatters behind the backward, FlashAttention-2 (SDPA), element-wise operators one kernel each.
+# scatters behind the backward, FlashAttention-2 (torch's SDPA ran it on Hopper too in late 2024,
+# pytorch/pytorch#141133), element-wise operators one kernel each.
 FSDP = Features(
     dp_overlap=True,
     attention_kernel="flash2",

@@ -1,5 +1,5 @@
 """The planner on the hold-out tables (megascale/plan/holdout.py): the rows reproduce their source's own
-figures, the A100 tables stay within the validation set's average bounds, and the docs show the errors
+figures, llm-foundry's tables stay within the validation set's average bounds, and the docs show the errors
 the code produces."""
 
 import dataclasses
@@ -22,8 +22,10 @@ def test_a_rows_published_mfu_is_its_sources():
     assert h100["MPT-1b at 65,536 on 8, micro-batch 1"].mfu == pytest.approx(0.2634, abs=0.002)
 
 
-@pytest.mark.parametrize("table", ["A100 80GB", "A100 40GB"])
-def test_the_a100_tables_are_predicted_within_the_validation_sets_average_bounds(table):
+@pytest.mark.parametrize("table", ["A100 80GB", "A100 40GB", "H100 80GB BF16"])
+def test_llm_foundrys_tables_are_predicted_within_the_validation_sets_average_bounds(table):
+    # On the H100 only with FlashAttention-2 (and the triton kernel at half its speed) below Hopper's
+    # fused attention (`flash2_attention_speed`): at the fused kernels' rate the table read 6.1 fast.
     errors = [row.error_points for row in holdout.holdout_rows(table)]
     mean_abs, mean = sum(map(abs, errors)) / len(errors), sum(errors) / len(errors)
     assert mean_abs <= 4.0 and abs(mean) <= 2.0
