@@ -1,5 +1,6 @@
-"""Hold-out tables: published runs checked after the validation set was fixed, never used to choose any
-assumption or constant of the planner.
+"""Hold-out tables: published runs checked after the validation set was fixed, never used to fit a
+constant of the planner (docs/planning.md, "Hold-out tables", names the assumptions their errors led to,
+each with its value from a source outside them).
 
 llm-foundry's smaller-scale MPT tables (mosaicml/llm-foundry scripts/train/benchmarking/README.md: "H100
 80GB BF16", "A100 80GB" and "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"): FSDP alone
