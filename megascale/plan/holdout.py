@@ -18,6 +18,12 @@ operator one kernel) on an H100 with that benchmark's memory: 96 GB of HBM2e at 
 a 500 W power limit, with a peak its authors place between the SXM's and the NVL's without knowing it; the
 profile takes the middle of that range, and the MFU divides by the SXM's peak as the benchmark's own does.
 
+The same benchmark's Tables 2 and 4-6: Llama 3.1 8B with context parallelism up to 262,144 tokens on 8
+GPUs, 70B with FSDP and TP 8 (with and without async TP) on 256, and 405B with FSDP, TP 8 and PP 8 (1F1B
+and interleaved; with context parallelism up to 262,144 tokens) on 512; all compiled, in float8, every
+block checkpointed, each configured as torchtitan's code of that date configures it
+(`TORCHTITAN_MULTI_D_ROWS`).
+
 NeMo's pre-training table of its 24.07 container (NVIDIA/NeMo docs/source/performance/performance_summary.md,
 August-September 2024): Megatron-Core on DGX-H100 in float8 (Transformer Engine), each row with the layout
 NVIDIA tuned for it (TP, PP, CP, virtual stages), priced as the validation set's Megatron-Core rows are
@@ -290,25 +296,28 @@ TORCHTITAN_H100 = "torchtitan H100, FSDP"
 TORCHTITAN_COMPILED = dataclasses.replace(TORCHTITAN_A100.features, elementwise="kernels")
 
 
+TORCHTITAN_H100_EAGER = dataclasses.replace(
+    TORCHTITAN_A100,
+    name=TORCHTITAN_H100,
+    where="pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3",
+    convention="6N + 12 L h s (N with the embeddings), % of 989 TFLOP/s (the SXM's peak, as the "
+    "source's own MFU divides by)",
+    profile=H100_GRAND_TETON,
+    mfu_peak_tflops=989,
+    assumed="the devices' bf16 and float8 peaks in the middle of the range the source gives (between "
+    "the H100 SXM's and NVL's); 'selective op' recomputation as torchtitan's policy (every second "
+    "matmul and the element-wise operators recomputed)",
+)
+TORCHTITAN_H100_COMPILED = dataclasses.replace(
+    TORCHTITAN_H100_EAGER,
+    features=TORCHTITAN_COMPILED,
+    assumed=f"{TORCHTITAN_H100_EAGER.assumed}; Float8 as torchtitan documents its recipe (docs/float8.md): "
+    "tensorwise, with FSDP's float8 all-gather (the benchmark does not say)",
+)
+
+
 def torchtitan_h100_rows() -> list[Published]:
-    source = dataclasses.replace(
-        TORCHTITAN_A100,
-        name=TORCHTITAN_H100,
-        where="pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3",
-        convention="6N + 12 L h s (N with the embeddings), % of 989 TFLOP/s (the SXM's peak, as the "
-        "source's own MFU divides by)",
-        profile=H100_GRAND_TETON,
-        mfu_peak_tflops=989,
-        assumed="the devices' bf16 and float8 peaks in the middle of the range the source gives (between "
-        "the H100 SXM's and NVL's); 'selective op' recomputation as torchtitan's policy (every second "
-        "matmul and the element-wise operators recomputed)",
-    )
-    compiled = dataclasses.replace(
-        source,
-        features=TORCHTITAN_COMPILED,
-        assumed=f"{source.assumed}; Float8 as torchtitan documents its recipe (docs/float8.md): tensorwise, "
-        "with FSDP's float8 all-gather (the benchmark does not say)",
-    )
+    source, compiled = TORCHTITAN_H100_EAGER, TORCHTITAN_H100_COMPILED
     rows = []
     for gpus, per_technique in TORCHTITAN_H100_ROWS.items():
         layout = Layout(1, 1, gpus, 1, 2, 3, "op", False)
@@ -327,6 +336,79 @@ def torchtitan_h100_rows() -> list[Published]:
                     fp8_all_gather=float8,
                 )
             )
+    return rows
+
+
+# torchtitan's Tables 2 and 4-6 (the same benchmark): compiled, float8, full activation checkpointing,
+# beyond FSDP. Each row: (label, model, sequence, GPUs, local batch, TP, PP, CP, virtual stages, async TP,
+# tokens/s per GPU). Without a pipeline the local batch is one micro-batch (no gradient accumulation); with
+# one, torchtitan cuts it into pp micro-batches, gives an interleaved schedule 2 stages a rank, splits the
+# layers unevenly (`pipelining_utils.generate_split_points`) and keeps FSDP's weights gathered through the
+# step (`parallelize_llama.apply_fsdp`: no resharding after the forward under PP), ZeRO-2 here.
+TORCHTITAN_MULTI_D = "torchtitan H100, FSDP with TP, PP and CP"
+LLAMA3_70B = llama(8192, 80, 64, 8, 28672, 128256, 8192)
+LLAMA3_405B = llama(16384, 126, 128, 8, 53248, 128256, 8192)
+TORCHTITAN_MULTI_D_ROWS = [
+    ("8B, FSDP 8, CP 1", LLAMA3_8B, 32768, 8, 1, 1, 1, 1, 1, False, 3890),
+    ("8B, FSDP 4, CP 2", LLAMA3_8B, 65536, 8, 1, 1, 1, 2, 1, False, 2540),
+    ("8B, FSDP 2, CP 4", LLAMA3_8B, 131072, 8, 1, 1, 1, 4, 1, False, 1071),
+    ("8B, FSDP 1, CP 8", LLAMA3_8B, 262144, 8, 1, 1, 1, 8, 1, False, 548),
+    ("70B, FSDP 32, TP 8", LLAMA3_70B, 8192, 256, 16, 8, 1, 1, 1, False, 829),
+    ("70B, FSDP 32, TP 8, async TP", LLAMA3_70B, 8192, 256, 16, 8, 1, 1, 1, True, 876),
+    ("405B, FSDP 8, TP 8, PP 8, 1F1B", LLAMA3_405B, 8192, 512, 32, 8, 8, 1, 1, True, 100),
+    ("405B, FSDP 8, TP 8, PP 8, interleaved", LLAMA3_405B, 8192, 512, 32, 8, 8, 1, 2, True, 128),
+    ("405B, FSDP 8, TP 8, PP 8, CP 1", LLAMA3_405B, 32768, 512, 8, 8, 8, 1, 1, True, 76),
+    ("405B, FSDP 4, TP 8, PP 8, CP 2", LLAMA3_405B, 65536, 512, 8, 8, 8, 2, 1, True, 47),
+    ("405B, FSDP 2, TP 8, PP 8, CP 4", LLAMA3_405B, 131072, 512, 8, 8, 8, 4, 1, True, 31),
+    ("405B, FSDP 1, TP 8, PP 8, CP 8", LLAMA3_405B, 262144, 512, 8, 8, 8, 8, 1, True, 16),
+]
+# torch's pipelining interleaves from pp 2 and cuts layers unevenly; its context parallelism sends the next
+# ring step's keys and values while the current one computes.
+TORCHTITAN_PARALLEL = dataclasses.replace(
+    TORCHTITAN_COMPILED, model_parallel=True, uneven_stages=True, interleaved_min_pp=2, cp_overlap=True
+)
+
+
+def torchtitan_multi_d_rows() -> list[Published]:
+    source = dataclasses.replace(
+        TORCHTITAN_H100_COMPILED,
+        name=TORCHTITAN_MULTI_D,
+        where="pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 2, 4, 5 and 6",
+        features=TORCHTITAN_PARALLEL,
+        assumed=f"{TORCHTITAN_H100_COMPILED.assumed}; async TP as tensor-parallel overlap (each linear "
+        "layer's all-gather and reduce-scatter in chunks behind its GEMM)",
+    )
+    rows = []
+    for (
+        label,
+        model,
+        seq_len,
+        gpus,
+        local,
+        tp,
+        pp,
+        cp,
+        chunks,
+        async_tp,
+        tokens_per_s,
+    ) in TORCHTITAN_MULTI_D_ROWS:
+        dp = gpus // (tp * pp * cp)
+        micro = local // pp if pp > 1 else local
+        layout = Layout(tp, pp, dp, chunks, micro, 2 if pp > 1 else 3, "full", tp > 1, cp=cp)
+        features = dataclasses.replace(source.features, tp_overlap=async_tp, tp_overlap_attention=async_tp)
+        job = (dataclasses.replace(model, max_seq_len=seq_len), seq_len, local * dp)
+        rows.append(
+            published(
+                dataclasses.replace(source, features=features),
+                f"Llama 3.1 {label}, sequence {seq_len:,}",
+                job,
+                layout,
+                palm_flops(num_params(model)),
+                tokens_per_s_per_gpu=tokens_per_s,
+                fp8=True,
+                fp8_all_gather=True,
+            )
+        )
     return rows
 
 
@@ -394,6 +476,7 @@ def nemo_rows() -> list[Published]:
 HOLDOUT_TABLES: dict[str, Callable[[], list[Published]]] = {
     **{table: functools.partial(foundry_rows, table) for table in FOUNDRY_TABLES},
     TORCHTITAN_H100: torchtitan_h100_rows,
+    TORCHTITAN_MULTI_D: torchtitan_multi_d_rows,
     NEMO_FP8_H100: nemo_rows,
 }
 

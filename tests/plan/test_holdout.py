@@ -80,6 +80,30 @@ def test_torchtitans_power_capped_h100s_compute_below_the_sxm_peak_its_mfu_divid
     assert row.predict().terms_s["gemm"] == pytest.approx(at_sxm_peak.predict().terms_s["gemm"] * 989 / 912)
 
 
+def test_torchtitans_multi_dimensional_rows_run_as_its_code_configures_them():
+    """Tables 2 and 4-6: without a pipeline the local batch is one micro-batch; with one, torchtitan cuts
+    it into pp micro-batches, interleaves 2 stages a rank and keeps FSDP's weights gathered (ZeRO-2); the
+    rows reproduce the published tokens/s."""
+    rows = {row.label: row for row in holdout.holdout_rows(holdout.TORCHTITAN_MULTI_D)}
+    assert len(rows) == 12
+    interleaved = rows["Llama 3.1 405B, FSDP 8, TP 8, PP 8, interleaved, sequence 8,192"]
+    layout = interleaved.layout
+    assert (layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.micro_batch) == (8, 8, 8, 2, 4)
+    assert layout.zero_stage == 2 and layout.micro_batches(interleaved.job) == 8
+    assert 256 * 8192 / (interleaved.step_s * 512) == pytest.approx(128)
+    two_d = rows["Llama 3.1 70B, FSDP 32, TP 8, sequence 8,192"]
+    assert (two_d.layout.micro_batch, two_d.layout.zero_stage, two_d.layout.sequence_parallel) == (
+        16,
+        3,
+        True,
+    )
+    assert not two_d.source.features.tp_overlap
+    async_tp = rows["Llama 3.1 70B, FSDP 32, TP 8, async TP, sequence 8,192"]
+    assert async_tp.predict().terms_s["tp_exposed"] < two_d.predict().terms_s["tp_exposed"]
+    long = rows["Llama 3.1 8B, FSDP 1, CP 8, sequence 262,144"]
+    assert (long.layout.cp, long.layout.dp, long.job.seq_len, long.global_batch) == (8, 1, 262144, 1)
+
+
 def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
     """llm-foundry ran MPT-30b at 8,192 on 8 H100s; the search, allowing 90% of the device, finds no
     layout that fits, so the row cannot agree (and does not raise)."""
