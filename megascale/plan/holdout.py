@@ -41,7 +41,9 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
+from megascale.config import ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import GB, HardwareProfile
 from megascale.plan.job import Layout
@@ -339,28 +341,43 @@ def torchtitan_h100_rows() -> list[Published]:
     return rows
 
 
+class TorchtitanRun(NamedTuple):
+    """One run of torchtitan's Tables 2 and 4-6; `local_batch` is each data-parallel rank's sequences."""
+
+    label: str
+    model: ModelConfig
+    seq_len: int
+    gpus: int
+    local_batch: int
+    tp: int
+    pp: int
+    cp: int
+    chunks: int  # pipeline stages a rank
+    async_tp: bool
+    tokens_per_s: float  # per GPU, as published
+
+
 # torchtitan's Tables 2 and 4-6 (the same benchmark): compiled, float8, full activation checkpointing,
-# beyond FSDP. Each row: (label, model, sequence, GPUs, local batch, TP, PP, CP, virtual stages, async TP,
-# tokens/s per GPU). Without a pipeline the local batch is one micro-batch (no gradient accumulation); with
-# one, torchtitan cuts it into pp micro-batches, gives an interleaved schedule 2 stages a rank, splits the
-# layers unevenly (`pipelining_utils.generate_split_points`) and keeps FSDP's weights gathered through the
-# step (`parallelize_llama.apply_fsdp`: no resharding after the forward under PP), ZeRO-2 here.
+# beyond FSDP. Without a pipeline the local batch is one micro-batch (no gradient accumulation); with one,
+# torchtitan cuts it into pp micro-batches, gives an interleaved schedule 2 stages a rank, splits the layers
+# unevenly (`pipelining_utils.generate_split_points`) and keeps FSDP's weights gathered through the step
+# (`parallelize_llama.apply_fsdp`: no resharding after the forward under PP), ZeRO-2 here.
 TORCHTITAN_MULTI_D = "torchtitan H100, FSDP with TP, PP and CP"
 LLAMA3_70B = llama(8192, 80, 64, 8, 28672, 128256, 8192)
 LLAMA3_405B = llama(16384, 126, 128, 8, 53248, 128256, 8192)
 TORCHTITAN_MULTI_D_ROWS = [
-    ("8B, FSDP 8, CP 1", LLAMA3_8B, 32768, 8, 1, 1, 1, 1, 1, False, 3890),
-    ("8B, FSDP 4, CP 2", LLAMA3_8B, 65536, 8, 1, 1, 1, 2, 1, False, 2540),
-    ("8B, FSDP 2, CP 4", LLAMA3_8B, 131072, 8, 1, 1, 1, 4, 1, False, 1071),
-    ("8B, FSDP 1, CP 8", LLAMA3_8B, 262144, 8, 1, 1, 1, 8, 1, False, 548),
-    ("70B, FSDP 32, TP 8", LLAMA3_70B, 8192, 256, 16, 8, 1, 1, 1, False, 829),
-    ("70B, FSDP 32, TP 8, async TP", LLAMA3_70B, 8192, 256, 16, 8, 1, 1, 1, True, 876),
-    ("405B, FSDP 8, TP 8, PP 8, 1F1B", LLAMA3_405B, 8192, 512, 32, 8, 8, 1, 1, True, 100),
-    ("405B, FSDP 8, TP 8, PP 8, interleaved", LLAMA3_405B, 8192, 512, 32, 8, 8, 1, 2, True, 128),
-    ("405B, FSDP 8, TP 8, PP 8, CP 1", LLAMA3_405B, 32768, 512, 8, 8, 8, 1, 1, True, 76),
-    ("405B, FSDP 4, TP 8, PP 8, CP 2", LLAMA3_405B, 65536, 512, 8, 8, 8, 2, 1, True, 47),
-    ("405B, FSDP 2, TP 8, PP 8, CP 4", LLAMA3_405B, 131072, 512, 8, 8, 8, 4, 1, True, 31),
-    ("405B, FSDP 1, TP 8, PP 8, CP 8", LLAMA3_405B, 262144, 512, 8, 8, 8, 8, 1, True, 16),
+    TorchtitanRun("8B, FSDP 8, CP 1", LLAMA3_8B, 32768, 8, 1, 1, 1, 1, 1, False, 3890),
+    TorchtitanRun("8B, FSDP 4, CP 2", LLAMA3_8B, 65536, 8, 1, 1, 1, 2, 1, False, 2540),
+    TorchtitanRun("8B, FSDP 2, CP 4", LLAMA3_8B, 131072, 8, 1, 1, 1, 4, 1, False, 1071),
+    TorchtitanRun("8B, FSDP 1, CP 8", LLAMA3_8B, 262144, 8, 1, 1, 1, 8, 1, False, 548),
+    TorchtitanRun("70B, FSDP 32, TP 8", LLAMA3_70B, 8192, 256, 16, 8, 1, 1, 1, False, 829),
+    TorchtitanRun("70B, FSDP 32, TP 8, async TP", LLAMA3_70B, 8192, 256, 16, 8, 1, 1, 1, True, 876),
+    TorchtitanRun("405B, FSDP 8, TP 8, PP 8, 1F1B", LLAMA3_405B, 8192, 512, 32, 8, 8, 1, 1, True, 100),
+    TorchtitanRun("405B, FSDP 8, TP 8, PP 8, interleaved", LLAMA3_405B, 8192, 512, 32, 8, 8, 1, 2, True, 128),
+    TorchtitanRun("405B, FSDP 8, TP 8, PP 8, CP 1", LLAMA3_405B, 32768, 512, 8, 8, 8, 1, 1, True, 76),
+    TorchtitanRun("405B, FSDP 4, TP 8, PP 8, CP 2", LLAMA3_405B, 65536, 512, 8, 8, 8, 2, 1, True, 47),
+    TorchtitanRun("405B, FSDP 2, TP 8, PP 8, CP 4", LLAMA3_405B, 131072, 512, 8, 8, 8, 4, 1, True, 31),
+    TorchtitanRun("405B, FSDP 1, TP 8, PP 8, CP 8", LLAMA3_405B, 262144, 512, 8, 8, 8, 8, 1, True, 16),
 ]
 # torch's pipelining interleaves from pp 2 and cuts layers unevenly; its context parallelism sends the next
 # ring step's keys and values while the current one computes.
@@ -379,32 +396,24 @@ def torchtitan_multi_d_rows() -> list[Published]:
         "layer's all-gather and reduce-scatter in chunks behind its GEMM)",
     )
     rows = []
-    for (
-        label,
-        model,
-        seq_len,
-        gpus,
-        local,
-        tp,
-        pp,
-        cp,
-        chunks,
-        async_tp,
-        tokens_per_s,
-    ) in TORCHTITAN_MULTI_D_ROWS:
-        dp = gpus // (tp * pp * cp)
-        micro = local // pp if pp > 1 else local
-        layout = Layout(tp, pp, dp, chunks, micro, 2 if pp > 1 else 3, "full", tp > 1, cp=cp)
-        features = dataclasses.replace(source.features, tp_overlap=async_tp, tp_overlap_attention=async_tp)
-        job = (dataclasses.replace(model, max_seq_len=seq_len), seq_len, local * dp)
+    for run in TORCHTITAN_MULTI_D_ROWS:
+        dp = run.gpus // (run.tp * run.pp * run.cp)
+        micro = run.local_batch // run.pp
+        zero = 2 if run.pp > 1 else 3
+        layout = Layout(run.tp, run.pp, dp, run.chunks, micro, zero, "full", run.tp > 1, cp=run.cp)
+        features = dataclasses.replace(
+            source.features, tp_overlap=run.async_tp, tp_overlap_attention=run.async_tp
+        )
+        runs_as = dataclasses.replace(source, features=features)
+        job = (dataclasses.replace(run.model, max_seq_len=run.seq_len), run.seq_len, run.local_batch * dp)
         rows.append(
             published(
-                dataclasses.replace(source, features=features),
-                f"Llama 3.1 {label}, sequence {seq_len:,}",
+                runs_as,
+                f"Llama 3.1 {run.label}, sequence {run.seq_len:,}",
                 job,
                 layout,
-                palm_flops(num_params(model)),
-                tokens_per_s_per_gpu=tokens_per_s,
+                palm_flops(num_params(run.model)),
+                tokens_per_s_per_gpu=run.tokens_per_s,
                 fp8=True,
                 fp8_all_gather=True,
             )
