@@ -31,6 +31,11 @@ NVIDIA tuned for it (TP, PP, CP, virtual stages), priced as the validation set's
 (`megascale.plan.compute`: Transformer Engine casts less). Its
 Nemotron rows are left out: the table gives no shapes for them.
 
+NeMo's long-sequence table (NVIDIA/NeMo docs/source/performance/performance_long_sequence.md): Llama 2
+7B in float8 on H100s (container 24.03.01) from 4,096 to 1,048,576 tokens, 4M tokens a step, on 4 to
+1,024 GPUs with the TP, PP, DP and CP NVIDIA chose, priced as the 24.07 table's rows are. Its B200 table
+is left out: its TP x PP x DP x CP comes to a quarter of its GPU counts.
+
 `python -m megascale.plan.holdout` prints each table's errors and how often the search agrees with the
 published layout (docs/planning.md, "Hold-out tables").
 """
@@ -458,7 +463,7 @@ NEMO_ROWS = [
     ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 16, 128, 1, 1, 4, 1, 10, 8646),
     ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 64, 128, 1, 4, 4, 1, 20, 1707),
     ("Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 2, 1, 12036),
-    ("Llama 3 70B", llama(8192, 80, 64, 8, 28672, 128256, 8192), 64, 128, 1, 4, 4, 2, 5, 1533),
+    ("Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 4, 2, 5, 1533),
 ]
 
 
@@ -481,12 +486,58 @@ def nemo_rows() -> list[Published]:
     return rows
 
 
+NEMO_LONG_H100 = "NeMo 24.03 H100, float8, Llama 2 7B at 4K-1M tokens"
+NEMO_LONG = dataclasses.replace(
+    NEMO,
+    name=NEMO_LONG_H100,
+    where="NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (May 2025 revision), 'LLAMA2-7B "
+    "(FP8) - H100' (container 24.03.01, DGX-H100), its runs with context parallelism",
+    convention="model TFLOP/s per GPU as NeMo counts them (its Llama formula: 6N without the input "
+    "embedding, attention's 12 L h s unhalved), % of the 989 TFLOP/s bfloat16 peak",
+    assumed=f"{NEMO.assumed}; micro-batches of 1",
+)
+# Llama 2 7B in float8, 4M tokens a step at every length: (sequence, GPUs, TP, PP, DP, CP, TFLOP/s per GPU).
+LLAMA2_7B_LONG_ROWS = [
+    (4096, 4, 1, 1, 4, 1, 768),
+    (8192, 8, 1, 2, 4, 1, 730),
+    (16384, 16, 2, 1, 8, 1, 660),
+    (32768, 32, 2, 1, 8, 2, 610),
+    (65536, 64, 4, 1, 8, 2, 574),
+    (131072, 128, 4, 1, 8, 4, 555),
+    (262144, 256, 4, 1, 8, 8, 549),
+    (524288, 512, 8, 1, 4, 16, 549),
+    (1048576, 1024, 8, 1, 4, 32, 536),
+]
+
+
+def nemo_long_rows() -> list[Published]:
+    rows = []
+    for seq_len, gpus, tp, pp, dp, cp, tflops in LLAMA2_7B_LONG_ROWS:
+        assert tp * pp * dp * cp == gpus, (seq_len, gpus)
+        model = llama(4096, 32, 32, 32, 11008, 32000, seq_len)
+        layout = Layout(tp, pp, dp, 1, 1, 1, "selective", tp > 1, cp=cp)
+        label, job = f"Llama 2 7B at {seq_len:,} {layout.describe()}", (model, seq_len, 2**22 // seq_len)
+        rows.append(
+            published(
+                NEMO_LONG,
+                label,
+                job,
+                layout,
+                palm_flops(num_params(model)),
+                tflops_per_gpu=tflops,
+                fp8=True,
+            )
+        )
+    return rows
+
+
 # Every hold-out table by name, and how its rows are made.
 HOLDOUT_TABLES: dict[str, Callable[[], list[Published]]] = {
     **{table: functools.partial(foundry_rows, table) for table in FOUNDRY_TABLES},
     TORCHTITAN_H100: torchtitan_h100_rows,
     TORCHTITAN_MULTI_D: torchtitan_multi_d_rows,
     NEMO_FP8_H100: nemo_rows,
+    NEMO_LONG_H100: nemo_long_rows,
 }
 
 

@@ -104,6 +104,16 @@ def test_torchtitans_multi_dimensional_rows_run_as_its_code_configures_them():
     assert (long.layout.cp, long.layout.dp, long.job.seq_len, long.global_batch) == (8, 1, 262144, 1)
 
 
+def test_nemos_long_sequence_rows_keep_4m_tokens_a_step_and_their_published_tflops():
+    rows = holdout.holdout_rows(holdout.NEMO_LONG_H100)
+    assert [row.seq_len for row in rows] == [4096 * 2**k for k in range(9)]
+    for row in rows:
+        assert row.global_batch * row.seq_len == 2**22 and row.fp8
+    longest = rows[-1]
+    assert (longest.layout.tp, longest.layout.dp, longest.layout.cp, longest.gpus) == (8, 4, 32, 1024)
+    assert longest.mfu * 989 == pytest.approx(536)  # TFLOP/s per GPU, in the source's own formula
+
+
 def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
     """llm-foundry ran MPT-30b at 8,192 on 8 H100s; the search, allowing 90% of the device, finds no
     layout that fits, so the row cannot agree (and does not raise)."""
