@@ -23,7 +23,7 @@ from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
 from megascale.plan.job import MEGATRON, MIXED_BF16, Cluster, Features, Job, Layout
-from megascale.plan.search import NoLayoutFits, fastest_per_split, search
+from megascale.plan.search import NoLayoutFits, Plan, fastest_per_split, search
 from megascale.plan.step import StepEstimate, estimate_step
 
 A100, H100 = PROFILES["a100"], PROFILES["h100"]
@@ -143,20 +143,24 @@ class Published:
     def error_points(self) -> float:
         return 100 * (self.predicted_mfu - self.mfu)
 
-    def search_agrees(self) -> bool:
-        """Whether `megascale plan`'s search, over the layouts the system can run, ranks the published one
-        among its first five splits of the devices (`fastest_per_split`, as `megascale plan` lists them)
-        or predicts it within 3 points of its own pick; not where the memory model leaves no layout
-        room."""
+    def searched_plans(self) -> list[Plan]:
+        """`megascale plan`'s search for this row's job and devices, over the layouts its system can run,
+        fastest first; raises NoLayoutFits where the memory model leaves no layout room."""
         features = self.source.features
+        return search(
+            self.job,
+            Cluster(self.gpus),
+            self.source.profile,
+            features,
+            skip_selective=features.fused_kernels,
+        )
+
+    def search_agrees(self) -> bool:
+        """Whether the search (`searched_plans`) ranks the published layout among its first five splits of
+        the devices (`fastest_per_split`, as `megascale plan` lists them) or predicts it within 3 points
+        of its own pick; not where the memory model leaves no layout room."""
         try:
-            plans = search(
-                self.job,
-                Cluster(self.gpus),
-                self.source.profile,
-                features,
-                skip_selective=features.fused_kernels,
-            )
+            plans = self.searched_plans()
         except NoLayoutFits:
             return False
         shape = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.cp)

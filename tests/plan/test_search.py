@@ -111,16 +111,13 @@ def test_the_search_finds_a_layout_at_least_as_fast_as_every_published_one_it_co
     rows = validation_rows() + [row for make_rows in HOLDOUT_TABLES.values() for row in make_rows()]
     slower = []
     for row in rows:
-        published = row.predict()
-        layout, profile, features = row.layout, row.source.profile, row.source.features
-        if published.memory.total_bytes > memory_limit_bytes(profile, row.gpus):
+        published, layout = row.predict(), row.layout
+        if published.memory.total_bytes > memory_limit_bytes(row.source.profile, row.gpus):
             continue
         if layout.cp > 1 and row.seq_len // layout.cp < MIN_CONTEXT_POSITIONS:
             continue
         try:
-            plans = search(
-                row.job, Cluster(row.gpus), profile, features, skip_selective=features.fused_kernels
-            )
+            plans = row.searched_plans()
         except NoLayoutFits:
             slower.append((row.label, "no layout fits"))
             continue
