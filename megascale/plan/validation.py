@@ -550,7 +550,8 @@ def render_markdown() -> str:
         "",
         f"{len(rows)} rows: mean absolute error {mean_abs:.1f} points, mean signed error {mean:+.1f}, "
         f"worst {worst:+.1f}. The search, over the layouts each system can run, ranks the published layout "
-        f"among its first five or predicts it within 3 points of its own pick on {agreeing} of {len(rows)}.",
+        f"among its first five splits of the devices or predicts it within 3 points of its own pick on "
+        f"{agreeing} of {len(rows)}.",
     ]
     return "\n".join(lines) + "\n"
 
