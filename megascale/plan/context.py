@@ -82,8 +82,7 @@ def exposed_ring_seconds(job: Job, layout: Layout, profile: HardwareProfile, fea
     transfer_s = ring_transfer_seconds(job, layout, profile)
     if not features.cp_overlap:
         return ring_messages(layout) * transfer_s
-    kernel = "fused" if features.fused_kernels else features.attention_kernel
-    forward_s, backward_s = attention_seconds(job, layout, profile, kernel)
+    forward_s, backward_s = attention_seconds(job, layout, profile, features.attention)
     steps = layout.cp
     forward_passes = 2 if layout.recompute == "full" else 1
     forward = (steps - 1) * max(0.0, transfer_s - forward_s / steps)

@@ -453,13 +453,14 @@ NEMO = Source(
     assumed="the distributed optimizer (ZeRO-1); sequence parallelism with TP; no recomputation beyond "
     "FlashAttention's; the GPT-3 models' vocabulary padded to 50,304",
 )
+LLAMA2_7B = llama(4096, 32, 32, 32, 11008, 32000, 4096)
 # (name, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
 NEMO_ROWS = [
     ("GPT-3 5B", gpt(4096, 24, 32, 50304, 2048), 64, 2048, 4, 1, 1, 1, 1, 22521),
     ("GPT-3 20B", gpt(6144, 44, 48, 50304, 2048), 64, 256, 2, 2, 1, 1, 1, 5851),
     ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 128, 256, 1, 4, 8, 1, 6, 726),
     ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 512, 2048, 2, 4, 8, 1, 6, 782),
-    ("Llama 2 7B", llama(4096, 32, 32, 32, 11008, 32000, 4096), 8, 128, 1, 1, 1, 1, 1, 16847),
+    ("Llama 2 7B", LLAMA2_7B, 8, 128, 1, 1, 1, 1, 1, 16847),
     ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 16, 128, 1, 1, 4, 1, 10, 8646),
     ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 64, 128, 1, 4, 4, 1, 20, 1707),
     ("Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 2, 1, 12036),
@@ -514,7 +515,7 @@ def nemo_long_rows() -> list[Published]:
     rows = []
     for seq_len, gpus, tp, pp, dp, cp, tflops in LLAMA2_7B_LONG_ROWS:
         assert tp * pp * dp * cp == gpus, (seq_len, gpus)
-        model = llama(4096, 32, 32, 32, 11008, 32000, seq_len)
+        model = dataclasses.replace(LLAMA2_7B, max_seq_len=seq_len)
         layout = Layout(tp, pp, dp, 1, 1, 1, "selective", tp > 1, cp=cp)
         label, job = f"Llama 2 7B at {seq_len:,} {layout.describe()}", (model, seq_len, 2**22 // seq_len)
         rows.append(

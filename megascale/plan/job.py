@@ -233,6 +233,12 @@ class Features:
         """What of the host's per-step work stalls the devices: none where data loading is asynchronous."""
         return 0.0 if self.async_data else self.host_overhead_s
 
+    @property
+    def attention(self) -> str:
+        """The attention kernel the system runs (`megascale.plan.compute.attention_seconds`): the device's
+        fastest with fused kernels, else `attention_kernel`."""
+        return "fused" if self.fused_kernels else self.attention_kernel
+
 
 # 0.2 s of host stall per step without async data: Table 3's "misc optimizations" step (+1.1 MFU points at
 # about 13 s per step) removed about that much.

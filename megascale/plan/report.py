@@ -116,8 +116,7 @@ def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: st
     overlaps += ["tp backward"] if features.tp_backward_overlap and not features.tp_overlap else []
     if features.dp_overlap and not features.dp_overlap_pipelined:
         overlaps[overlaps.index("dp")] = "dp without a pipeline"
-    kernel = "fused" if features.fused_kernels else features.attention_kernel
-    attention = ATTENTION_KERNELS[kernel]
+    attention = ATTENTION_KERNELS[features.attention]
     stragglers = (
         f"{cluster.straggler_host_fraction:.3g} of hosts {cluster.straggler_slowdown:.0%} slower"
         if cluster.straggler_host_fraction
