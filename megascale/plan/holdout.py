@@ -451,7 +451,8 @@ NEMO = Source(
     features=MEGATRON_CORE,
     profile=H100,
     assumed="the distributed optimizer (ZeRO-1); sequence parallelism with TP; no recomputation beyond "
-    "FlashAttention's; the GPT-3 models' vocabulary padded to 50,304",
+    "FlashAttention's; the GPT-3 models' vocabulary padded to 50,304; dropout in the GPT-3 models (NeMo's "
+    "GPT default), none in the Llamas",
 )
 LLAMA2_7B = llama(4096, 32, 32, 32, 11008, 32000, 4096)
 # (name, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
@@ -482,6 +483,7 @@ def nemo_rows() -> list[Published]:
                 palm_flops(num_params(model)),
                 tokens_per_s_per_gpu=tokens_per_s,
                 fp8=True,
+                dropout=name.startswith("GPT-3"),  # NeMo's GPT defaults; its Llamas have none
             )
         )
     return rows

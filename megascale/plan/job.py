@@ -61,6 +61,10 @@ class Job:
     # ... with their weights all-gathered in float8 (megascale's training.fp8_all_gather, torchao's float8
     # all-gather): each rank casts its shard before each gather, and the layers cast no weight after.
     fp8_all_gather: bool = False
+    # Whether the blocks apply dropout in training (Megatron-LM's GPT defaults, 0.1), keeping a one-byte
+    # mask per element for the backward; megascale's models, and Llama-style ones, have none (and at
+    # p = 0 torch's dropout returns its input, keeping nothing).
+    dropout: bool = False
 
     @property
     def linear_dtype(self) -> str:
@@ -213,8 +217,8 @@ class Features:
     # scatter/gather); megascale's trainer sends the whole tensor from each.
     pp_scatter_gather: bool = True
     host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
-    # How a dense block's activations are counted: Korthikanti et al.'s 34 sbh (Megatron-LM's fused
-    # kernels, `megascale.plan.memory`), or tensor by tensor as megascale's own model saves them.
+    # How a dense block's activations are counted: as Korthikanti et al. count them, for the block's shape
+    # (`megascale.plan.memory.block_bytes_per_token`), or as megascale's own model saves them.
     own_blocks: bool = False
     # Whether the system cuts layers into stages of unequal counts (megascale's trainer, `plan/stages.py`)
     # or needs pp x v to divide them (Megatron-LM asserts it).
@@ -227,6 +231,10 @@ class Features:
     # buffer through the step (Megatron-LM's and DeepSpeed's contiguous gradient buffers): a step of one
     # micro-batch without a pipeline then peaks below its activations plus every gradient.
     grads_as_made: bool = False
+    # Bytes the loss keeps per logit at its peak: float32 logits and their gradient (Megatron-LM's
+    # vocab-parallel cross entropy over the logits cast to float32, torch's over float32 logits), or a
+    # fused cross entropy's bfloat16 logits and bfloat16 gradient (flash-attn's, llm-foundry's default).
+    loss_bytes_per_logit: int = 8
 
     @property
     def host_stall_s(self) -> float:

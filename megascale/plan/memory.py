@@ -3,8 +3,10 @@
 Training state follows ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over data
 parallelism, stage 2 the gradients too, stage 3 the weights too (paper §2: MegaScale uses stage 2).
 Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", Eqs. 1-3): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations, sequence parallelism
-dividing everything by t. The attention-score term 5*a*s/h counts only where the scores are materialised
+Transformer Models", Eqs. 1-3): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations for a GPT block,
+counted tensor by tensor for other shapes (`block_bytes_per_token`: grouped-query attention, SwiGLU, no
+dropout), sequence parallelism dividing everything by t. The attention-score term 5*a*s/h (2*a*s/h
+without dropout) counts only where the scores are materialised
 (no FlashAttention kernel, `megascale.plan.compute`) and not recomputed: a FlashAttention kernel keeps no
 scores, and selective recomputation (Korthikanti et al.'s) drops exactly them. Full recomputation keeps
 only each block's input; torchtitan's selective op checkpointing ("op") the block's input, the attention
@@ -114,26 +116,73 @@ def stage_params(job: Job, layout: Layout) -> float:
     return sum(group.params for group in stage_param_groups(job, layout))
 
 
+@dataclass(frozen=True)
+class KeptPerToken:
+    """What a block keeps for its backward per token, in bytes at 2-byte activations
+    (`block_bytes_per_token`), by how tensor parallelism divides it."""
+
+    split: float  # what only sequence parallelism splits over the tp ranks (else every rank keeps it)
+    by_tp: float  # what every tp split divides (the heads', the ffn width's)
+    mlp_split: float  # the MLP's share of `split`
+    mlp_by_tp: float  # the MLP's share of `by_tp`
+
+
+def block_bytes_per_token(job: Job, fused_swiglu: bool = True) -> KeptPerToken:
+    """Korthikanti et al.'s count of what a block keeps for its backward, tensor by tensor, for the
+    block's shape. Split only by sequence parallelism: each norm's input, the input the attention's and
+    the MLP's column-parallel layers read (one, shared, in a parallel block), and with dropout a 1-byte
+    mask after the attention and one after the MLP. Split by tp: queries and keys (the scores' inputs),
+    values, the attention's output (which the output projection reads), and the MLP's ffn-wide tensors:
+    GeLU's input and output, or SwiGLU's gate and up projections and their product (Megatron's fused
+    SwiGLU recomputes the activation from the pair; an eager one keeps it too). A GPT block (multi-head
+    attention, a 4h GeLU MLP, dropout) is their 10 + 24 = 34 sbh; grouped-query attention keeps narrower
+    keys and values, a SwiGLU MLP more."""
+    model = job.model
+    h, head = model.dim, head_dim_of(model)
+    q, kv = model.attention.n_heads * head, model.attention.n_kv_heads * head
+    serial = model.block != "parallel"
+    masks = (2 if job.dropout else 0) * h  # a byte an element
+    inputs = 2 if serial else 1  # norms, and the inputs the column-parallel layers read
+    ffn_tensors = (3 if fused_swiglu else 4) if model.mlp == "swiglu" else 2
+    mlp_by_tp = 2 * ffn_tensors * ffn_dim_of(model)
+    return KeptPerToken(
+        split=2 * 2 * h * inputs + masks,
+        by_tp=2 * (q + kv) + 2 * kv + 2 * q + mlp_by_tp,
+        mlp_split=(2 * h if serial else 0) + masks / 2,
+        mlp_by_tp=mlp_by_tp,
+    )
+
+
 def activation_bytes_per_block(
-    job: Job, layout: Layout, moe: bool = False, materialized_scores: bool = False
+    job: Job,
+    layout: Layout,
+    moe: bool = False,
+    materialized_scores: bool = False,
+    fused_swiglu: bool = True,
 ) -> float:
-    """Activations one block keeps for its backward, per micro-batch, on one device; with `moe`, a block
-    whose MLP (19 of the 34 sbh) is a mixture-of-experts layer (`megascale.plan.experts`); with
-    `materialized_scores`, attention without a FlashAttention kernel."""
-    s, b, h, t = layout.local_seq_len(job), layout.micro_batch, job.model.dim, layout.tp
-    scale = job.precision.activation_bytes / 2  # the formula counts 2-byte activations
+    """Activations one block keeps for its backward, per micro-batch, on one device
+    (`block_bytes_per_token`); with `moe`, a block whose MLP is a mixture-of-experts layer
+    (`megascale.plan.experts`); with `materialized_scores`, attention without a FlashAttention kernel,
+    which keeps its softmax's output (and with dropout the mask and the dropped-out scores: Korthikanti
+    et al.'s 5as/h)."""
+    s, b, t = layout.local_seq_len(job), layout.micro_batch, layout.tp
+    scale = job.precision.activation_bytes / 2  # the counts are of 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
     if layout.recompute == "full":
-        return s * b * h * 2 * scale / (t if sharded else 1)
+        return s * b * job.model.dim * 2 * scale / (t if sharded else 1)
     if layout.recompute == "op":
         model = job.model
-        kept = h / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
-        kept += sum(n_out for _, n_out in linear_shapes(model, t)[0::2])  # as each rank computes them
-        return s * b * kept * job.precision.activation_bytes
-    dense = s * b * h * (34 / t if sharded else 10 + 24 / t) * scale
+        op_kept = model.dim / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
+        op_kept += sum(n_out for _, n_out in linear_shapes(model, t)[0::2])  # as each rank computes them
+        return s * b * op_kept * job.precision.activation_bytes
+    kept = block_bytes_per_token(job, fused_swiglu)
+    if moe:  # the MLP's own count is the MoE layer's (`moe_activation_bytes`)
+        kept = KeptPerToken(kept.split - kept.mlp_split, kept.by_tp - kept.mlp_by_tp, 0.0, 0.0)
+    per_token = kept.split / (t if sharded else 1) + kept.by_tp / t
+    dense = s * b * per_token * scale
     if materialized_scores and layout.recompute == "none":
-        dense += 5 * job.model.attention.n_heads * s * job.seq_len * b / t * scale
-    return dense * 15 / 34 + moe_activation_bytes(job, layout) if moe else dense
+        dense += (5 if job.dropout else 2) * job.model.attention.n_heads * s * job.seq_len * b / t * scale
+    return dense + moe_activation_bytes(job, layout) if moe else dense
 
 
 def trainer_block_bytes(job: Job, layout: Layout, on_cpu: bool = False) -> float:
@@ -194,12 +243,16 @@ def memory_per_device(
     own_blocks: bool = False,
     on_cpu: bool = False,
     grads_as_made: bool = False,
+    logit_bytes: int = 8,
+    fused_swiglu: bool = True,
 ) -> Memory:
     """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
     kernel; `own_blocks`: dense blocks counted as megascale's model saves them, `trainer_block_bytes`;
     `on_cpu`: a CPU, where the model picks its own kernels and offload fetches nothing ahead;
     `grads_as_made`: gradients allocated as the backward makes them, by autograd and FSDP, rather than in
-    a buffer held through the step, as Megatron-LM's and DeepSpeed's contiguous gradient buffers are)."""
+    a buffer held through the step, as Megatron-LM's and DeepSpeed's contiguous gradient buffers are;
+    `logit_bytes`: what the loss keeps per logit, `Features.loss_bytes_per_logit`; `fused_swiglu`: see
+    `block_bytes_per_token`)."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -218,9 +271,11 @@ def memory_per_device(
     if own_blocks:
         dense = trainer_block_bytes(job, layout, on_cpu)
     else:
-        dense = activation_bytes_per_block(job, layout, False, materialized_scores)
+        dense = activation_bytes_per_block(job, layout, False, materialized_scores, fused_swiglu)
     per_micro_batch = (blocks - moe_blocks) * dense
-    per_micro_batch += moe_blocks * activation_bytes_per_block(job, layout, True, materialized_scores)
+    per_micro_batch += moe_blocks * activation_bytes_per_block(
+        job, layout, True, materialized_scores, fused_swiglu
+    )
     in_flight = micro_batches_in_flight(job, layout)
     held_blocks = blocks * in_flight
     if layout.offload:
@@ -232,9 +287,9 @@ def memory_per_device(
         if own_blocks and not moe:
             working = trainer_block_bytes(job, whole, on_cpu)
         else:
-            working = activation_bytes_per_block(job, whole, moe, materialized_scores)
+            working = activation_bytes_per_block(job, whole, moe, materialized_scores, fused_swiglu)
     tokens = layout.micro_batch * layout.local_seq_len(job)
-    logits = 2 * 4 * tokens * job.model.vocab_size / layout.tp  # fp32, and its grad
+    logits = logit_bytes * tokens * job.model.vocab_size / layout.tp
     saved = per_micro_batch / blocks
     other = ring_buffer_bytes(job, layout)
     # Every gradient is there from the first backward on: held in a buffer, or made by an earlier micro-batch.

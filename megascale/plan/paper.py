@@ -93,7 +93,9 @@ def predict(model: ModelConfig, layout: dict, features: Features, gpus: int, bat
     """One paper configuration on `gpus` A100s."""
     dp = gpus // (layout["tp"] * layout["pp"])
     cluster = Cluster(gpus, STRAGGLER_HOST_FRACTION, STRAGGLER_SLOWDOWN)
-    return estimate_step(Job(model, SEQ_LEN, batch), Layout(dp=dp, **layout), features, A100, cluster)
+    return estimate_step(
+        Job(model, SEQ_LEN, batch, dropout=True), Layout(dp=dp, **layout), features, A100, cluster
+    )
 
 
 # Table 2 (175B strong scaling): (batch, system, GPUs, iteration s, MFU).

@@ -159,6 +159,8 @@ def estimate_step(
         features.own_blocks,
         on_cpu=profile.host_cores > 0,
         grads_as_made=features.grads_as_made,
+        logit_bytes=features.loss_bytes_per_logit,
+        fused_swiglu=features.elementwise != "eager",
     )
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m

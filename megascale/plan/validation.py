@@ -111,6 +111,7 @@ class Published:
     mfu: float  # the published MFU, in the source's convention (of the bfloat16 peak)
     fp8: bool = False  # whether the run's linear layers ran in float8
     fp8_all_gather: bool = False  # ... and FSDP gathered their weights in float8 (torchao's all-gather)
+    dropout: bool = False  # whether the model trained with dropout (`Job.dropout`)
 
     @property
     def gpus(self) -> int:
@@ -128,6 +129,7 @@ class Published:
             precision=precision,
             fp8=self.fp8,
             fp8_all_gather=self.fp8_all_gather,
+            dropout=self.dropout,
         )
 
     def predict(self) -> StepEstimate:
@@ -184,11 +186,12 @@ def published(
     tokens_per_s_per_gpu: float | None = None,
     fp8: bool = False,
     fp8_all_gather: bool = False,
+    dropout: bool = False,
 ) -> Published:
     """A row of `job` (model, sequence length, global batch) from what its source gives: the iteration
     time, or a throughput (TFLOP/s per GPU under the source's FLOP formula, or tokens/s per GPU); the
     other figures follow under that formula. `fp8`: the run's linear layers ran in float8;
-    `fp8_all_gather`: FSDP gathered their weights in float8."""
+    `fp8_all_gather`: FSDP gathered their weights in float8; `dropout`: the model trained with dropout."""
     model, seq_len, global_batch = job
     flops = global_batch * seq_len * flops_per_token(model, seq_len)
     peak_per_device = source.profile.peak_flops("bfloat16")
@@ -201,7 +204,9 @@ def published(
         step_s = flops / (layout.devices * tflops_per_gpu * TERA)
     assert step_s is not None, "a row needs its step time or a throughput"
     mfu = flops / (step_s * peak)
-    return Published(source, label, model, seq_len, global_batch, layout, step_s, mfu, fp8, fp8_all_gather)
+    return Published(
+        source, label, model, seq_len, global_batch, layout, step_s, mfu, fp8, fp8_all_gather, dropout
+    )
 
 
 # Megatron-LM as it ran in 2021-2022: no overlap of pipeline communication, attention over materialised
@@ -260,7 +265,7 @@ SC21 = Source(
     profile=A100,
     assumed="no sequence parallelism (it did not exist); data parallelism without ZeRO (zero_stage 0): "
     "torch's DDP without a pipeline, Megatron-LM's own after the backward with one (run_table_1.sh's "
-    "DDP=torch and DDP=local)",
+    "DDP=torch and DDP=local); dropout, Megatron-LM's default (run_table_1.sh sets none)",
 )
 SC21_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, TFLOP/s per GPU)
@@ -284,7 +289,9 @@ def sc21() -> list[Published]:
         layout = Layout(tp, pp, gpus // (tp * pp), chunks, micro, 0, "full", sequence_parallel=False)
         label = f"{model_size(model)} tp{tp} pp{pp} on {gpus}"
         job = (model, 2048, batch)
-        rows.append(published(SC21, label, job, layout, megatron_hardware_flops, tflops_per_gpu=tflops))
+        rows.append(
+            published(SC21, label, job, layout, megatron_hardware_flops, tflops_per_gpu=tflops, dropout=True)
+        )
     return rows
 
 
@@ -297,7 +304,7 @@ KORTHIKANTI = Source(
     profile=A100,
     assumed="the 1T model not interleaved (the paper names interleaving for 175B and 530B only); the "
     "Megatron-LM of its time (the column-parallel backward's collectives asynchronous, data parallelism "
-    "without the distributed optimizer: zero_stage 0)",
+    "without the distributed optimizer: zero_stage 0); dropout, Megatron-LM's default",
 )
 KORTHIKANTI_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, s with SP + selective
@@ -317,11 +324,13 @@ def korthikanti() -> list[Published]:
             layout = Layout(tp, pp, gpus // (tp * pp), chunks, micro, 0, recompute, sp)
             label = f"{model_size(model)} tp{tp} pp{pp} on {gpus}, {recompute} recompute"
             job = (model, 2048, batch)
-            rows.append(published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=step_s))
+            rows.append(
+                published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=step_s, dropout=True)
+            )
     model = gpt(20480, 105, 128, 51200, 2048)  # §6.3: the 530B model on 8 data-parallel replicas
     layout = Layout(8, 35, 8, 3, 1, 0, "selective", True)  # before the distributed optimizer
     label, job = "530B tp8 pp35 dp8 on 2,240", (model, 2048, 2240)
-    rows.append(published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=39.15))
+    rows.append(published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=39.15, dropout=True))
     return rows
 
 
@@ -333,7 +342,8 @@ MEGATRON_CORE_H100 = Source(
     profile=H100,
     assumed="bf16; without a pipeline, one micro-batch of the whole data-parallel share, else micro-batches "
     "of 1; no recomputation beyond FlashAttention's; the distributed optimizer "
-    "(ZeRO-1); no interleaving; untied embeddings (the table's parameter counts need them); a 4h GeLU MLP",
+    "(ZeRO-1); no interleaving; untied embeddings (the table's parameter counts need them); a 4h GeLU MLP; "
+    "dropout, Megatron-LM's default",
 )
 MEGATRON_CORE_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, TFLOP/s per GPU)
@@ -358,7 +368,15 @@ def megatron_core() -> list[Published]:
         layout = Layout(tp, pp, dp, 1, micro, 1, "selective", True)
         label, job = f"{model_size(model)} tp{tp} pp{pp} on {gpus:,}", (model, 4096, batch)
         rows.append(
-            published(MEGATRON_CORE_H100, label, job, layout, megatron_model_flops, tflops_per_gpu=tflops)
+            published(
+                MEGATRON_CORE_H100,
+                label,
+                job,
+                layout,
+                megatron_model_flops,
+                tflops_per_gpu=tflops,
+                dropout=True,
+            )
         )
     return rows
 
@@ -400,11 +418,16 @@ LLM_FOUNDRY = Source(
     convention="6N + 12 L d s (N with the embeddings), % of 989 TFLOP/s",
     # Composer: FSDP alone; attention by llm-foundry's triton FlashAttention, the default `--attn_impl`
     # of the benchmark script (scripts/train/benchmarking/submit_benchmarks.py) when the table was made.
-    features=dataclasses.replace(FSDP, model_parallel=False, attention_kernel="flash"),
+    # Its loss, flash-attn's fused cross entropy (MPT's default `loss_fn`), keeps bfloat16 logits and
+    # makes a bfloat16 gradient.
+    features=dataclasses.replace(
+        FSDP, model_parallel=False, attention_kernel="flash", loss_bytes_per_logit=4
+    ),
     profile=H100,
     assumed="the network of our H100 profile (400 Gb/s per GPU; the source does not say); MPT as a GPT "
     "with learned positions and tied embeddings; FULL_SHARD as ZeRO-3, SHARD_GRAD_OP as ZeRO-2; its "
-    "triton attention kernel (FlashAttention-1's algorithm) at FlashAttention-1's speed",
+    "triton attention kernel (FlashAttention-1's algorithm) at FlashAttention-1's speed; no dropout and "
+    "flash-attn's fused cross entropy (MPT's defaults)",
 )
 MPT = {  # name: (d_model, heads, layers)
     "1b": (2048, 16, 24),

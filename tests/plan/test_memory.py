@@ -13,6 +13,10 @@ from tests.parallel.tiny import tiny_model_config
 BLOCK = 12_288 + 36_864 + 128
 EMBEDDINGS = 2 * 96 * 64  # input embedding and output layer, untied
 JOB = Job(tiny_model_config(), seq_len=32, global_batch=8, dtype="float32", precision=FP32_WEIGHTS)
+# What one tiny block keeps per token, counted by hand at 2-byte activations (no dropout): two norms'
+# inputs and the two inputs of the column-parallel layers (4 x 2 x 64), queries and keys (2 x (64 + 32)),
+# values (2 x 32), the attention's output (2 x 64), SwiGLU's gate, up and product (3 x 2 x 192).
+KEPT_PER_TOKEN = 4 * 2 * 64 + 2 * (64 + 32) + 2 * 32 + 2 * 64 + 3 * 2 * 192
 
 
 def test_parameters_of_the_heaviest_stage():
@@ -50,20 +54,45 @@ def test_bfloat16_gathers_hold_sharded_masters_and_the_gathered_copies():
     assert memory_per_device(job, Layout(micro_batch=2)).weights_bytes == 4 * params  # no data parallelism
 
 
-def test_activations_follow_korthikanti_and_shrink_with_recomputation():
+def test_a_gpt_block_keeps_korthikantis_34_sbh():
+    """Korthikanti et al.'s Eq. 1-2 for a GPT block (multi-head attention, a 4h GeLU MLP, dropout):
+    34 sbh at 2-byte activations, 10 sbh of it kept whole on every tp rank without sequence parallelism."""
+    from megascale.plan.paper import MODEL_175B
+
+    s, b, h = 2048, 1, MODEL_175B.dim
+    job = Job(MODEL_175B, s, 8, dropout=True)
+    layout = Layout(micro_batch=b, recompute="none")
+    assert activation_bytes_per_block(job, layout) == s * b * h * 34
+    tp = dataclasses.replace(layout, tp=8)
+    assert activation_bytes_per_block(job, tp) == s * b * h * 34 / 8  # sequence parallel: all of it / t
+    no_sp = dataclasses.replace(tp, sequence_parallel=False)
+    assert activation_bytes_per_block(job, no_sp) == s * b * h * (10 + 24 / 8)
+    no_dropout = dataclasses.replace(job, dropout=False)  # two 1-byte masks fewer
+    assert activation_bytes_per_block(no_dropout, layout) == s * b * h * 32
+
+
+def test_activations_follow_the_blocks_tensors_and_shrink_with_recomputation():
     s, b, h = 32, 2, 64
     layout = Layout(micro_batch=b, recompute="none")
-    # 34 bytes per (token x hidden) at 2-byte activations; fp32 doubles it.
-    assert activation_bytes_per_block(JOB, layout) == s * b * h * 34 * 2
+    # Grouped-query attention and SwiGLU counted tensor by tensor; fp32 doubles the 2-byte count.
+    assert activation_bytes_per_block(JOB, layout) == s * b * KEPT_PER_TOKEN * 2
     full = dataclasses.replace(layout, recompute="full")
     assert activation_bytes_per_block(JOB, full) == s * b * h * 2 * 2  # only the block's input
     tp = dataclasses.replace(layout, tp=2)
-    assert activation_bytes_per_block(JOB, tp) == s * b * h * 34 * 2 / 2  # sequence parallel: all of it / t
+    assert activation_bytes_per_block(JOB, tp) == s * b * KEPT_PER_TOKEN * 2 / 2  # sequence parallel
     no_sp = dataclasses.replace(tp, sequence_parallel=False)
-    assert activation_bytes_per_block(JOB, no_sp) == s * b * h * (10 + 24 / 2) * 2
+    whole_on_each = 4 * 2 * h  # norms' and column-parallel layers' inputs, whole on each tp rank
+    assert (
+        activation_bytes_per_block(JOB, no_sp)
+        == s * b * (whole_on_each + (KEPT_PER_TOKEN - whole_on_each) / 2) * 2
+    )
+    eager = activation_bytes_per_block(JOB, layout, fused_swiglu=False)  # SiLU's output kept too
+    assert eager - activation_bytes_per_block(JOB, layout) == s * b * 2 * 192 * 2
     memory = memory_per_device(JOB, layout)
     logits = 2 * 4 * b * s * 96
-    assert memory.activations_bytes == 2 * s * b * h * 34 * 2 + logits
+    assert memory.activations_bytes == 2 * s * b * KEPT_PER_TOKEN * 2 + logits
+    fused_loss = memory_per_device(JOB, layout, logit_bytes=4)  # bfloat16 logits and gradient
+    assert memory.activations_bytes - fused_loss.activations_bytes == logits / 2
 
 
 def test_the_first_stage_holds_pp_micro_batches_more_when_interleaved():
@@ -78,18 +107,22 @@ def test_the_first_stage_holds_pp_micro_batches_more_when_interleaved():
 
 def test_materialised_attention_scores_are_kept_unless_recomputed():
     """Without a FlashAttention kernel the [heads, s, s] scores stay for the backward: Korthikanti et al.'s
-    5 a s^2 b bytes a layer (over t), which selective recomputation drops."""
-    from megascale.plan.job import Job, Layout
-    from megascale.plan.memory import memory_per_device
+    5 a s^2 b bytes a layer (over t) with dropout (the softmax's output, the mask, the dropped-out scores),
+    2 without; selective recomputation drops them."""
     from megascale.plan.paper import MODEL_175B
 
-    job = Job(MODEL_175B, 2048, 64)
+    job = Job(MODEL_175B, 2048, 64, dropout=True)
     layout = Layout(tp=8, pp=8, dp=1, recompute="none")
     flash = memory_per_device(job, layout).activations_bytes
     materialized = memory_per_device(job, layout, materialized_scores=True).activations_bytes
     scores_per_layer = 5 * MODEL_175B.attention.n_heads * 2048**2 / 8
     in_flight = 8  # the first stage's micro-batches under 1F1B
     assert materialized - flash == pytest.approx(12 * scores_per_layer * in_flight, rel=1e-6)
+    without_dropout = dataclasses.replace(job, dropout=False)
+    kept = memory_per_device(without_dropout, layout, materialized_scores=True).activations_bytes
+    assert kept - memory_per_device(without_dropout, layout).activations_bytes == pytest.approx(
+        12 * scores_per_layer * 2 / 5 * in_flight, rel=1e-6
+    )
     selective = dataclasses.replace(layout, recompute="selective")
     assert memory_per_device(job, selective, materialized_scores=True).activations_bytes == pytest.approx(
         memory_per_device(job, selective).activations_bytes
@@ -189,7 +222,7 @@ def test_full_recomputation_holds_every_blocks_input_and_the_recomputed_block_wh
     s, b, h, layers = 32, 2, 64, 2
     none, full = Layout(micro_batch=b, recompute="none"), Layout(micro_batch=b, recompute="full")
     logits = 2 * 4 * b * s * 96
-    whole, kept = s * b * h * 34 * 2, s * b * h * 2 * 2
+    whole, kept = s * b * KEPT_PER_TOKEN * 2, s * b * h * 2 * 2
     assert memory_per_device(JOB, none).activations_bytes == layers * whole + logits
     assert memory_per_device(JOB, full).activations_bytes == layers * kept + whole + logits
     from megascale.plan.memory import trainer_block_bytes
@@ -209,8 +242,8 @@ def test_a_single_micro_batch_peaks_where_held_activations_and_gradients_made_we
     from megascale.plan.memory import trainer_block_bytes
 
     job = dataclasses.replace(JOB, global_batch=2)
-    s, b, h, layers = 32, 2, 64, 2
-    logits, activations = 2 * 4 * b * s * 96, layers * s * b * h * 34 * 2
+    s, b, layers = 32, 2, 2
+    logits, activations = 2 * 4 * b * s * 96, layers * s * b * KEPT_PER_TOKEN * 2
     plain = memory_per_device(job, Layout(micro_batch=b, recompute="none"), grads_as_made=True)
     at_loss, in_last_block = activations + logits, activations + 4 * (EMBEDDINGS + BLOCK)
     assert plain.activations_bytes + plain.grads_bytes == max(at_loss, in_last_block)
@@ -228,6 +261,6 @@ def test_a_gradient_buffer_holds_every_gradient_through_a_single_micro_batch():
     layout = Layout(micro_batch=2, recompute="none")
     buffered, made = memory_per_device(job, layout), memory_per_device(job, layout, grads_as_made=True)
     assert buffered.grads_bytes == 4 * (2 * BLOCK + EMBEDDINGS)
-    s, b, h = 32, 2, 64
-    assert buffered.activations_bytes == 2 * s * b * h * 34 * 2 + 2 * 4 * b * s * 96  # every block's, logits
+    s, b = 32, 2
+    assert buffered.activations_bytes == 2 * s * b * KEPT_PER_TOKEN * 2 + 2 * 4 * b * s * 96  # blocks, logits
     assert buffered.total_bytes > made.total_bytes
