@@ -79,6 +79,9 @@ FLASH_ATTENTION_1_SPEED = 0.5
 # (4). The square kept for the backward is Korthikanti et al.'s 5 a s^2 b bytes per layer (2022, Eq. 1).
 MATERIALIZED_BYTES_FORWARD = 13
 MATERIALIZED_BYTES_BACKWARD = 19
+# Of those, the dropout's each way (read 2, written 2, its mask 1): a model without dropout (`Job.dropout`)
+# moves none of it.
+DROPOUT_SCORE_BYTES = 5
 
 
 @dataclass(frozen=True)
@@ -286,9 +289,10 @@ def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel
         # which they write and read, are counted with the softmax's and the dropout's below.
         matmuls_s = gemm_compute_seconds(4.0 * square * head_dim, profile, job.dtype)
         memory_s = square * job.precision.activation_bytes / 2 / profile.hbm_bytes_per_s
+        dropless = 0 if job.dropout else DROPOUT_SCORE_BYTES
         return (
-            matmuls_s + MATERIALIZED_BYTES_FORWARD * memory_s,
-            2 * matmuls_s + MATERIALIZED_BYTES_BACKWARD * memory_s,
+            matmuls_s + (MATERIALIZED_BYTES_FORWARD - dropless) * memory_s,
+            2 * matmuls_s + (MATERIALIZED_BYTES_BACKWARD - dropless) * memory_s,
         )
     keys = keys_per_query(job.seq_len, model.attention.window)
     flops = 4 * queries * keys * heads * head_dim

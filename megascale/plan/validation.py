@@ -482,7 +482,8 @@ BLOOM = Source(
     ),
     profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
     assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "
-    "by its 8 GPUs; the 70 layers 6 a stage, 5 on the last two (the last beside the output layer)",
+    "by its 8 GPUs; the 70 layers 6 a stage, 5 on the last two (the last beside the output layer); "
+    "dropout, Megatron-DeepSpeed's default (tr11-176B-ml.slurm sets none)",
 )
 
 
@@ -490,7 +491,7 @@ def bloom() -> list[Published]:
     model = gpt(14336, 70, 112, 250880, 2048)
     layout = Layout(4, 12, 8, 1, 2, 1, "full", False)
     label, job = "176B tp4 pp12 dp8 on 384", (model, 2048, 2048)
-    return [published(BLOOM, label, job, layout, megatron_hardware_flops, step_s=105.22)]
+    return [published(BLOOM, label, job, layout, megatron_hardware_flops, step_s=105.22, dropout=True)]
 
 
 LLAMA3 = Source(

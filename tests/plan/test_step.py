@@ -274,6 +274,27 @@ def test_materialised_attention_scores_cost_memory_traffic_and_are_recomputed_un
     assert 0.25 < selective.terms_s["recompute"] / plain.terms_s["attention"] < 0.5
 
 
+def test_materialised_scores_without_dropout_skip_the_dropouts_traffic():
+    """Of the 13 + 19 bytes a score element moves each step, 5 + 5 are the dropout's (its read, write and
+    mask); a model without dropout moves the rest."""
+    from megascale.plan.compute import (
+        DROPOUT_SCORE_BYTES,
+        MATERIALIZED_BYTES_BACKWARD,
+        MATERIALIZED_BYTES_FORWARD,
+        attention_seconds,
+    )
+
+    layout = Layout(tp=8, micro_batch=1)
+    with_dropout = dataclasses.replace(JOB, dropout=True)
+    forward, backward = attention_seconds(with_dropout, layout, A100, "materialized")
+    forward_dropless, backward_dropless = attention_seconds(JOB, layout, A100, "materialized")
+    square_s = (forward - forward_dropless) / DROPOUT_SCORE_BYTES
+    assert square_s > 0
+    assert backward - backward_dropless == pytest.approx(DROPOUT_SCORE_BYTES * square_s)
+    matmuls_s = forward - MATERIALIZED_BYTES_FORWARD * square_s  # the matmuls alone, as the backward's half
+    assert backward == pytest.approx(2 * matmuls_s + MATERIALIZED_BYTES_BACKWARD * square_s)
+
+
 def test_without_sequence_parallelism_a_pipeline_transfer_is_scattered_over_the_tp_ranks():
     no_sp = dict(sequence_parallel=False, virtual_stages=1)
     scattered = estimate(features=MEGATRON, **no_sp).terms_s["pp_exposed"]
