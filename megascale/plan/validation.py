@@ -112,6 +112,7 @@ class Published:
     fp8: bool = False  # whether the run's linear layers ran in float8
     fp8_all_gather: bool = False  # ... and FSDP gathered their weights in float8 (torchao's all-gather)
     dropout: bool = False  # whether the model trained with dropout (`Job.dropout`)
+    grad_bytes: int = MIXED_BF16.grad_bytes  # gradients as accumulated and reduce-scattered
 
     @property
     def gpus(self) -> int:
@@ -119,9 +120,9 @@ class Published:
 
     @property
     def job(self) -> Job:
-        precision = MIXED_BF16
+        precision = dataclasses.replace(MIXED_BF16, grad_bytes=self.grad_bytes)
         if self.fp8_all_gather:
-            precision = dataclasses.replace(MIXED_BF16, gathered_block_bytes=1)
+            precision = dataclasses.replace(precision, gathered_block_bytes=1)
         return Job(
             self.model,
             self.seq_len,
@@ -187,11 +188,13 @@ def published(
     fp8: bool = False,
     fp8_all_gather: bool = False,
     dropout: bool = False,
+    grad_bytes: int = MIXED_BF16.grad_bytes,
 ) -> Published:
     """A row of `job` (model, sequence length, global batch) from what its source gives: the iteration
     time, or a throughput (TFLOP/s per GPU under the source's FLOP formula, or tokens/s per GPU); the
     other figures follow under that formula. `fp8`: the run's linear layers ran in float8;
-    `fp8_all_gather`: FSDP gathered their weights in float8; `dropout`: the model trained with dropout."""
+    `fp8_all_gather`: FSDP gathered their weights in float8; `dropout`: the model trained with dropout;
+    `grad_bytes`: its gradients' bytes as accumulated and reduce-scattered (float32 unless said)."""
     model, seq_len, global_batch = job
     flops = global_batch * seq_len * flops_per_token(model, seq_len)
     peak_per_device = source.profile.peak_flops("bfloat16")
@@ -205,7 +208,18 @@ def published(
     assert step_s is not None, "a row needs its step time or a throughput"
     mfu = flops / (step_s * peak)
     return Published(
-        source, label, model, seq_len, global_batch, layout, step_s, mfu, fp8, fp8_all_gather, dropout
+        source,
+        label,
+        model,
+        seq_len,
+        global_batch,
+        layout,
+        step_s,
+        mfu,
+        fp8,
+        fp8_all_gather,
+        dropout,
+        grad_bytes,
     )
 
 
