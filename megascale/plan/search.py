@@ -147,14 +147,9 @@ def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features:
     pp x v stages it can cut the layers into (evenly, unless it splits unevenly) with the micro-batches a
     multiple of pp."""
     least = features.interleaved_min_pp
-    if pp == 1 or least is None or pp < least:
+    if pp == 1 or least is None or pp < least or micro_batches % pp:
         return [1]
-    interleaved = [
-        v
-        for v in range(2, n_layers // pp + 1)
-        if _stages_fit(n_layers, pp * v, features) and micro_batches % pp == 0
-    ]
-    return [1, *interleaved]
+    return [1, *(v for v in range(2, n_layers // pp + 1) if _stages_fit(n_layers, pp * v, features))]
 
 
 def _stages_fit(n_layers: int, stages: int, features: Features) -> bool:
