@@ -235,6 +235,10 @@ class Features:
     # vocab-parallel cross entropy over the logits cast to float32, torch's over float32 logits), or a
     # fused cross entropy's bfloat16 logits and bfloat16 gradient (flash-attn's, llm-foundry's default).
     loss_bytes_per_logit: int = 8
+    # Whether a float8 job's linear layers keep the inputs they read for the weight-gradient GEMM in
+    # float8 (Transformer Engine's: transformer_engine/pytorch/module/linear.py saves the quantized input)
+    # or in bfloat16, cast again in the backward (torchao's float8 training, megascale's training.fp8).
+    float8_keeps_inputs: bool = False
 
     @property
     def host_stall_s(self) -> float:

@@ -127,7 +127,7 @@ class KeptPerToken:
     mlp_by_tp: float  # the MLP's share of `by_tp`
 
 
-def block_bytes_per_token(job: Job, fused_swiglu: bool = True) -> KeptPerToken:
+def block_bytes_per_token(job: Job, fused_swiglu: bool = True, float8_inputs: bool = False) -> KeptPerToken:
     """Korthikanti et al.'s count of what a block keeps for its backward, tensor by tensor, for the
     block's shape. Split only by sequence parallelism: each norm's input, the input the attention's and
     the MLP's column-parallel layers read (one, shared, in a parallel block), and with dropout a 1-byte
@@ -136,19 +136,25 @@ def block_bytes_per_token(job: Job, fused_swiglu: bool = True) -> KeptPerToken:
     GeLU's input and output, or SwiGLU's gate and up projections and their product (Megatron's fused
     SwiGLU recomputes the activation from the pair; an eager one keeps it too). A GPT block (multi-head
     attention, a 4h GeLU MLP, dropout) is their 10 + 24 = 34 sbh; grouped-query attention keeps narrower
-    keys and values, a SwiGLU MLP more."""
+    keys and values, a SwiGLU MLP more. With `float8_inputs`, a float8 job's linear layers keep the inputs
+    they read at a byte an element, as Transformer Engine's do (`Features.float8_keeps_inputs`): the
+    norms' outputs and the MLP's last ffn-wide tensor, which nothing else keeps, in float8 only; the
+    attention's output, which the attention kernel keeps for its own backward, in both."""
     model = job.model
     h, head = model.dim, head_dim_of(model)
     q, kv = model.attention.n_heads * head, model.attention.n_kv_heads * head
     serial = model.block != "parallel"
     masks = (2 if job.dropout else 0) * h  # a byte an element
     inputs = 2 if serial else 1  # norms, and the inputs the column-parallel layers read
+    float8_copies = float8_inputs and job.fp8
+    linear_input = 1 if float8_copies else 2  # bytes a linear layer's kept input takes
     ffn_tensors = (3 if fused_swiglu else 4) if model.mlp == "swiglu" else 2
-    mlp_by_tp = 2 * ffn_tensors * ffn_dim_of(model)
+    # ... the last of them is the input of the MLP's row-parallel layer
+    mlp_by_tp = (2 * (ffn_tensors - 1) + linear_input) * ffn_dim_of(model)
     return KeptPerToken(
-        split=2 * 2 * h * inputs + masks,
-        by_tp=2 * (q + kv) + 2 * kv + 2 * q + mlp_by_tp,
-        mlp_split=(2 * h if serial else 0) + masks / 2,
+        split=(2 + linear_input) * h * inputs + masks,
+        by_tp=2 * (q + kv) + 2 * kv + (3 if float8_copies else 2) * q + mlp_by_tp,
+        mlp_split=(linear_input * h if serial else 0) + masks / 2,
         mlp_by_tp=mlp_by_tp,
     )
 
@@ -159,6 +165,7 @@ def activation_bytes_per_block(
     moe: bool = False,
     materialized_scores: bool = False,
     fused_swiglu: bool = True,
+    float8_inputs: bool = False,
 ) -> float:
     """Activations one block keeps for its backward, per micro-batch, on one device
     (`block_bytes_per_token`); with `moe`, a block whose MLP is a mixture-of-experts layer
@@ -175,7 +182,7 @@ def activation_bytes_per_block(
         op_kept = model.dim / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
         op_kept += sum(n_out for _, n_out in linear_shapes(model, t)[0::2])  # as each rank computes them
         return s * b * op_kept * job.precision.activation_bytes
-    kept = block_bytes_per_token(job, fused_swiglu)
+    kept = block_bytes_per_token(job, fused_swiglu, float8_inputs)
     if moe:  # the MLP's own count is the MoE layer's (`moe_activation_bytes`)
         kept = KeptPerToken(kept.split - kept.mlp_split, kept.by_tp - kept.mlp_by_tp, 0.0, 0.0)
     per_token = kept.split / (t if sharded else 1) + kept.by_tp / t
@@ -245,14 +252,15 @@ def memory_per_device(
     grads_as_made: bool = False,
     logit_bytes: int = 8,
     fused_swiglu: bool = True,
+    float8_inputs: bool = False,
 ) -> Memory:
     """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
     kernel; `own_blocks`: dense blocks counted as megascale's model saves them, `trainer_block_bytes`;
     `on_cpu`: a CPU, where the model picks its own kernels and offload fetches nothing ahead;
     `grads_as_made`: gradients allocated as the backward makes them, by autograd and FSDP, rather than in
     a buffer held through the step, as Megatron-LM's and DeepSpeed's contiguous gradient buffers are;
-    `logit_bytes`: what the loss keeps per logit, `Features.loss_bytes_per_logit`; `fused_swiglu`: see
-    `block_bytes_per_token`)."""
+    `logit_bytes`: what the loss keeps per logit, `Features.loss_bytes_per_logit`; `fused_swiglu` and
+    `float8_inputs`: see `block_bytes_per_token`)."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -271,10 +279,12 @@ def memory_per_device(
     if own_blocks:
         dense = trainer_block_bytes(job, layout, on_cpu)
     else:
-        dense = activation_bytes_per_block(job, layout, False, materialized_scores, fused_swiglu)
+        dense = activation_bytes_per_block(
+            job, layout, False, materialized_scores, fused_swiglu, float8_inputs
+        )
     per_micro_batch = (blocks - moe_blocks) * dense
     per_micro_batch += moe_blocks * activation_bytes_per_block(
-        job, layout, True, materialized_scores, fused_swiglu
+        job, layout, True, materialized_scores, fused_swiglu, float8_inputs
     )
     in_flight = micro_batches_in_flight(job, layout)
     held_blocks = blocks * in_flight
@@ -287,7 +297,9 @@ def memory_per_device(
         if own_blocks and not moe:
             working = trainer_block_bytes(job, whole, on_cpu)
         else:
-            working = activation_bytes_per_block(job, whole, moe, materialized_scores, fused_swiglu)
+            working = activation_bytes_per_block(
+                job, whole, moe, materialized_scores, fused_swiglu, float8_inputs
+            )
     tokens = layout.micro_batch * layout.local_seq_len(job)
     logits = logit_bytes * tokens * job.model.vocab_size / layout.tp
     saved = per_micro_batch / blocks

@@ -161,6 +161,7 @@ def estimate_step(
         grads_as_made=features.grads_as_made,
         logit_bytes=features.loss_bytes_per_logit,
         fused_swiglu=features.elementwise != "eager",
+        float8_inputs=features.float8_keeps_inputs,
     )
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m

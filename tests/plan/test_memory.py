@@ -95,6 +95,24 @@ def test_activations_follow_the_blocks_tensors_and_shrink_with_recomputation():
     assert memory.activations_bytes - fused_loss.activations_bytes == logits / 2
 
 
+def test_transformer_engines_float8_layers_keep_their_inputs_in_float8():
+    """Transformer Engine's float8 linear layers keep the inputs they read at a byte an element: the two
+    norms' outputs and SwiGLU's product in float8 alone; the attention's output in bfloat16 for the
+    attention's backward and in float8 for the output projection's. torchao's keep bfloat16 ones."""
+    s, b, h, q, ffn = 32, 2, 64, 64, 192
+    layout = Layout(micro_batch=b, recompute="none")
+    job = dataclasses.replace(JOB, dtype="bfloat16", precision=MIXED_BF16, fp8=True)
+    bf16_inputs = activation_bytes_per_block(job, layout)
+    assert bf16_inputs == s * b * KEPT_PER_TOKEN  # torchao's: as in bfloat16
+    float8_inputs = activation_bytes_per_block(job, layout, float8_inputs=True)
+    assert bf16_inputs - float8_inputs == s * b * (2 * h + ffn - q)
+    assert activation_bytes_per_block(JOB, layout, float8_inputs=True) == s * b * KEPT_PER_TOKEN * 2  # no fp8
+    memory = memory_per_device(job, layout, float8_inputs=True)
+    assert memory_per_device(job, layout).activations_bytes - memory.activations_bytes == 2 * s * b * (
+        2 * h + ffn - q
+    )
+
+
 def test_the_first_stage_holds_pp_micro_batches_more_when_interleaved():
     job = dataclasses.replace(JOB, model=tiny_model_config(n_layers=4), precision=MIXED_BF16, global_batch=16)
     one_f_one_b = memory_per_device(job, Layout(pp=2, micro_batch=1))
