@@ -24,17 +24,8 @@ and interleaved; with context parallelism up to 262,144 tokens) on 512; all comp
 block checkpointed, each configured as torchtitan's code of that date configures it
 (`TORCHTITAN_MULTI_D_ROWS`).
 
-NeMo's pre-training table of its 24.07 container (NVIDIA/NeMo docs/source/performance/performance_summary.md,
-August-September 2024): Megatron-Core on DGX-H100 in float8 (Transformer Engine), each row with the layout
-NVIDIA tuned for it (TP, PP, CP, virtual stages), priced as the validation set's Megatron-Core rows are
-(`megascale.plan.validation.MEGATRON_CORE`) with the blocks' linear layers in float8 as torchao runs them
-(`megascale.plan.compute`: Transformer Engine casts less). Its
-Nemotron rows are left out: the table gives no shapes for them.
-
-NeMo's long-sequence table (NVIDIA/NeMo docs/source/performance/performance_long_sequence.md): Llama 2
-7B in float8 on H100s (container 24.03.01) from 4,096 to 1,048,576 tokens, 4M tokens a step, on 4 to
-1,024 GPUs with the TP, PP, DP and CP NVIDIA chose, priced as the 24.07 table's rows are. Its B200 table
-is left out: its TP x PP x DP x CP comes to a quarter of its GPU counts.
+NVIDIA's own tables (NeMo's and Megatron-Bridge's, Megatron-Core with Transformer Engine): see
+`megascale.plan.holdout_nvidia`.
 
 `python -m megascale.plan.holdout` prints each table's errors and how often the search agrees with the
 published layout (docs/planning.md, "Hold-out tables").
@@ -51,20 +42,18 @@ from typing import NamedTuple
 from megascale.config import ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import GB, HardwareProfile
+from megascale.plan.holdout_nvidia import LLAMA3_70B, LLAMA3_405B, NVIDIA_TABLES
 from megascale.plan.job import Layout
 from megascale.plan.validation import (
     A100,
     H100,
     LLAMA3_8B,
     LLM_FOUNDRY,
-    MEGATRON_CORE,
     MPT,
     TORCHTITAN_A100,
     Published,
-    Source,
     error_summary,
     gpt,
-    llama,
     palm_flops,
     published,
 )
@@ -368,8 +357,6 @@ class TorchtitanRun(NamedTuple):
 # unevenly (`pipelining_utils.generate_split_points`) and keeps FSDP's weights gathered through the step
 # (`parallelize_llama.apply_fsdp`: no resharding after the forward under PP), ZeRO-2 here.
 TORCHTITAN_MULTI_D = "torchtitan H100, FSDP with TP, PP and CP"
-LLAMA3_70B = llama(8192, 80, 64, 8, 28672, 128256, 8192)
-LLAMA3_405B = llama(16384, 126, 128, 8, 53248, 128256, 8192)
 TORCHTITAN_MULTI_D_ROWS = [
     TorchtitanRun("8B, FSDP 8, CP 1", LLAMA3_8B, 32768, 8, 1, 1, 1, 1, 1, False, 3890),
     TorchtitanRun("8B, FSDP 4, CP 2", LLAMA3_8B, 65536, 8, 1, 1, 1, 2, 1, False, 2540),
@@ -442,110 +429,12 @@ def foundry_rows(table: str) -> list[Published]:
     return published_rows
 
 
-NEMO_FP8_H100 = "NeMo 24.07 H100, float8"
-NEMO = Source(
-    name=NEMO_FP8_H100,
-    where="NVIDIA/NeMo docs/source/performance/performance_summary.md (container 24.07, DGX-H100)",
-    convention="6N + 12 L h s (N with the embeddings), which gives the table's model TFLOP/s within 2% "
-    "(Llama 3 8B's within 6%); % of the 989 TFLOP/s bfloat16 peak",
-    features=MEGATRON_CORE,
-    profile=H100,
-    assumed="the distributed optimizer (ZeRO-1); sequence parallelism with TP; no recomputation beyond "
-    "FlashAttention's; the GPT-3 models' vocabulary padded to 50,304; the GPT-3 models with dropout and "
-    "gradients reduced in bfloat16, the Llamas without dropout and in float32 (NeMo-Framework-Launcher's "
-    "performance configs: hidden_dropout 0.1, distributed_fused_adam's grad_sync_dtype bf16)",
-)
-LLAMA2_7B = llama(4096, 32, 32, 32, 11008, 32000, 4096)
-# (name, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
-NEMO_ROWS = [
-    ("GPT-3 5B", gpt(4096, 24, 32, 50304, 2048), 64, 2048, 4, 1, 1, 1, 1, 22521),
-    ("GPT-3 20B", gpt(6144, 44, 48, 50304, 2048), 64, 256, 2, 2, 1, 1, 1, 5851),
-    ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 128, 256, 1, 4, 8, 1, 6, 726),
-    ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 512, 2048, 2, 4, 8, 1, 6, 782),
-    ("Llama 2 7B", LLAMA2_7B, 8, 128, 1, 1, 1, 1, 1, 16847),
-    ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 16, 128, 1, 1, 4, 1, 10, 8646),
-    ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 64, 128, 1, 4, 4, 1, 20, 1707),
-    ("Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 2, 1, 12036),
-    ("Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 4, 2, 5, 1533),
-]
-
-
-def nemo_rows() -> list[Published]:
-    rows = []
-    for name, model, gpus, batch, micro, tp, pp, cp, chunks, tokens_per_s in NEMO_ROWS:
-        layout = Layout(tp, pp, gpus // (tp * pp * cp), chunks, micro, 1, "selective", tp > 1, cp=cp)
-        label, job = f"{name} {layout.describe()}", (model, model.max_seq_len, batch)
-        # NeMo-Framework-Launcher's GPT-3 performance configs: hidden_dropout 0.1, and distributed_fused_adam
-        # with grad_sync_dtype bf16; its Llamas: no dropout, float32 gradients.
-        gpt3 = name.startswith("GPT-3")
-        rows.append(
-            published(
-                NEMO,
-                label,
-                job,
-                layout,
-                palm_flops(num_params(model)),
-                tokens_per_s_per_gpu=tokens_per_s,
-                fp8=True,
-                dropout=gpt3,
-                grad_bytes=2 if gpt3 else 4,
-            )
-        )
-    return rows
-
-
-NEMO_LONG_H100 = "NeMo 24.03 H100, float8, Llama 2 7B at 4K-1M tokens"
-NEMO_LONG = dataclasses.replace(
-    NEMO,
-    name=NEMO_LONG_H100,
-    where="NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (May 2025 revision), 'LLAMA2-7B "
-    "(FP8) - H100' (container 24.03.01, DGX-H100), its runs with context parallelism",
-    convention="model TFLOP/s per GPU as NeMo counts them (its Llama formula: 6N without the input "
-    "embedding, attention's 12 L h s unhalved), % of the 989 TFLOP/s bfloat16 peak",
-    assumed=f"{NEMO.assumed}; micro-batches of 1",
-)
-# Llama 2 7B in float8, 4M tokens a step at every length: (sequence, GPUs, TP, PP, DP, CP, TFLOP/s per GPU).
-LLAMA2_7B_LONG_ROWS = [
-    (4096, 4, 1, 1, 4, 1, 768),
-    (8192, 8, 1, 2, 4, 1, 730),
-    (16384, 16, 2, 1, 8, 1, 660),
-    (32768, 32, 2, 1, 8, 2, 610),
-    (65536, 64, 4, 1, 8, 2, 574),
-    (131072, 128, 4, 1, 8, 4, 555),
-    (262144, 256, 4, 1, 8, 8, 549),
-    (524288, 512, 8, 1, 4, 16, 549),
-    (1048576, 1024, 8, 1, 4, 32, 536),
-]
-
-
-def nemo_long_rows() -> list[Published]:
-    rows = []
-    for seq_len, gpus, tp, pp, dp, cp, tflops in LLAMA2_7B_LONG_ROWS:
-        assert tp * pp * dp * cp == gpus, (seq_len, gpus)
-        model = dataclasses.replace(LLAMA2_7B, max_seq_len=seq_len)
-        layout = Layout(tp, pp, dp, 1, 1, 1, "selective", tp > 1, cp=cp)
-        label, job = f"Llama 2 7B at {seq_len:,} {layout.describe()}", (model, seq_len, 2**22 // seq_len)
-        rows.append(
-            published(
-                NEMO_LONG,
-                label,
-                job,
-                layout,
-                palm_flops(num_params(model)),
-                tflops_per_gpu=tflops,
-                fp8=True,
-            )
-        )
-    return rows
-
-
 # Every hold-out table by name, and how its rows are made.
 HOLDOUT_TABLES: dict[str, Callable[[], list[Published]]] = {
     **{table: functools.partial(foundry_rows, table) for table in FOUNDRY_TABLES},
     TORCHTITAN_H100: torchtitan_h100_rows,
     TORCHTITAN_MULTI_D: torchtitan_multi_d_rows,
-    NEMO_FP8_H100: nemo_rows,
-    NEMO_LONG_H100: nemo_long_rows,
+    **NVIDIA_TABLES,
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megascale.errors import ConfigError
-from megascale.plan import holdout
+from megascale.plan import holdout, holdout_nvidia
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def test_nemos_float8_rows_are_priced_with_float8_linear_layers_and_their_publis
     table's (Llama 2 70B on 64 H100s: 1,707 tokens/s per GPU, 759 model TFLOP/s)."""
     rows = {
         row.label.split(" tp")[0] + f" on {row.gpus}": row
-        for row in holdout.holdout_rows(holdout.NEMO_FP8_H100)
+        for row in holdout.holdout_rows(holdout_nvidia.NEMO_FP8_H100)
     }
     llama2 = rows["Llama 2 70B on 64"]
     assert llama2.fp8 and llama2.job.fp8 and llama2.job.linear_dtype == "float8"
@@ -105,13 +105,31 @@ def test_torchtitans_multi_dimensional_rows_run_as_its_code_configures_them():
 
 
 def test_nemos_long_sequence_rows_keep_4m_tokens_a_step_and_their_published_tflops():
-    rows = holdout.holdout_rows(holdout.NEMO_LONG_H100)
+    rows = holdout.holdout_rows(holdout_nvidia.NEMO_LONG_H100)
     assert [row.seq_len for row in rows] == [4096 * 2**k for k in range(9)]
     for row in rows:
         assert row.global_batch * row.seq_len == 2**22 and row.fp8
     longest = rows[-1]
     assert (longest.layout.tp, longest.layout.dp, longest.layout.cp, longest.gpus) == (8, 4, 32, 1024)
     assert longest.mfu * 989 == pytest.approx(536)  # TFLOP/s per GPU, in the source's own formula
+
+
+def test_megatron_bridges_rows_run_their_tables_layouts_on_their_own_devices():
+    """Megatron-Bridge's 25.11 table: each row on its device's profile and its published split, in float8
+    with bfloat16 gradients (its Llama configs set grad_reduce_in_fp32 False), its 126-layer model cut
+    into 64 unequal stages as Megatron-Core cuts it; the model FLOPs per GPU come out as the table's."""
+    h100 = holdout.holdout_rows(holdout_nvidia.BRIDGE_H100)
+    blackwell = holdout.holdout_rows(holdout_nvidia.BRIDGE_BLACKWELL)
+    assert {row.source.profile.name for row in h100} == {"H100-SXM5-80GB"}
+    assert {row.source.profile.name for row in blackwell} == {"B200-SXM-180GB", "GB200-NVL72"}
+    for row in h100 + blackwell:
+        assert row.job.fp8 and row.job.precision.grad_bytes == 2 and row.source.features.uneven_stages
+        assert row.source.features.float8_keeps_inputs
+    row_405b = next(row for row in h100 if "405B" in row.label)
+    assert (row_405b.layout.tp, row_405b.layout.pp, row_405b.layout.cp, row_405b.gpus) == (8, 8, 2, 1024)
+    assert row_405b.layout.virtual_stages == 8 and row_405b.job.model.n_layers == 126
+    # 292 tokens/s per GPU at 6N + 12 L h s: the table's 737 model TFLOP/s within 5%
+    assert row_405b.mfu * 989 == pytest.approx(737, rel=0.05)
 
 
 def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
@@ -136,8 +154,8 @@ def test_the_memory_model_finds_room_for_nearly_every_published_layout():
     float32 logits: MPT (no dropout, flash-attn's bfloat16 cross entropy) at large micro-batches read
     82-86 GB on 80 GB devices, and NeMo's GPT-3 runs, whose launcher configs reduce gradients in bfloat16,
     at 84-85 GB with float32 ones. Two are left: Llama 3's own pipeline schedule and recomputation, which
-    its paper does not state, and NeMo's Llama 3 8B at 80.3 GB (82.8 with its float8 layers' inputs
-    counted in bfloat16)."""
+    its paper does not state, NeMo's Llama 3 8B at 80.3 GB (82.8 with its float8 layers' inputs counted
+    in bfloat16), and Megatron-Bridge's 405B on GB200s at 196 GB of 186."""
     from megascale.plan.validation import validation_rows
 
     rows = validation_rows()
@@ -146,8 +164,9 @@ def test_the_memory_model_finds_room_for_nearly_every_published_layout():
     assert too_big == {
         "405B tp8 pp16 dp64 on 8,192",
         "Llama 3 8B tp1 pp1 dp4 cp2 mb1 zero1 recompute=selective",
+        "Llama 3.1 405B on GB200-NVL72 tp4 pp16 v4 dp4 mb1 zero1 recompute=selective",
     }
-    nemo = holdout.holdout_rows(holdout.NEMO_FP8_H100)
+    nemo = holdout.holdout_rows(holdout_nvidia.NEMO_FP8_H100)
     llama3_8b = next(row for row in nemo if row.label.startswith("Llama 3 8B"))
     assert llama3_8b.predict().memory.total_bytes == pytest.approx(80.3e9, abs=0.05e9)
     assert {row.label.split()[0]: row.job.precision.grad_bytes for row in nemo} == {"GPT-3": 2, "Llama": 4}

@@ -1,0 +1,205 @@
+"""Hold-out tables from NVIDIA: Megatron-Core with Transformer Engine, each row in the layout NVIDIA tuned
+for it, checked after the validation set was fixed and never used to fit a constant (`megascale.plan.holdout`
+collects every hold-out table; docs/planning.md, "Hold-out tables").
+
+NeMo's pre-training table of its 24.07 container (NVIDIA/NeMo docs/source/performance/performance_summary.md,
+August-September 2024): Megatron-Core on DGX-H100 in float8, each row with its TP, PP, CP and virtual
+stages, priced as the validation set's Megatron-Core rows are (`megascale.plan.validation.MEGATRON_CORE`),
+the blocks' linear layers in float8 with their casts as torchao makes them (`megascale.plan.compute`:
+Transformer Engine casts less) and their inputs kept in float8 as Transformer Engine keeps them. Its
+Nemotron rows are left out: the table gives no shapes for them.
+
+NeMo's long-sequence table (NVIDIA/NeMo docs/source/performance/performance_long_sequence.md): Llama 2
+7B in float8 on H100s (container 24.03.01) from 4,096 to 1,048,576 tokens, 4M tokens a step, on 4 to
+1,024 GPUs with the TP, PP, DP and CP NVIDIA chose, priced as the 24.07 table's rows are. Its B200 table
+is left out: its TP x PP x DP x CP comes to a quarter of its GPU counts.
+
+Megatron-Bridge's table of the NeMo 25.11 container (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md
+at v0.2.2): Llama 3 8B and 70B and Llama 3.1 405B in float8 with current scaling (FP8-CS) on DGX-H100,
+DGX-B200 and DGX-GB200, priced as the 24.07 table's rows are, on the datasheet profiles; Blackwell's
+kernels at the fractions of peak measured on Hopper (`megascale.plan.hardware`: there is no Blackwell
+measurement here). Left out: the rows whose layout a `Layout` cannot state (H100's 8B recomputes 5 of its
+32 blocks, GB200's 70B offloads the activations of 40 of its 80: scripts/performance/configs/llama3 at
+v0.2.2), the GB300 rows (no profile), and the block-scaled float8 figures in the table's parentheses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megascale.models.flops import num_params
+from megascale.plan.hardware import PROFILES
+from megascale.plan.job import Layout
+from megascale.plan.validation import (
+    H100,
+    LLAMA3_8B,
+    MEGATRON_CORE,
+    Published,
+    Source,
+    gpt,
+    llama,
+    palm_flops,
+    published,
+)
+
+LLAMA3_70B = llama(8192, 80, 64, 8, 28672, 128256, 8192)
+LLAMA3_405B = llama(16384, 126, 128, 8, 53248, 128256, 8192)
+
+NEMO_FP8_H100 = "NeMo 24.07 H100, float8"
+NEMO = Source(
+    name=NEMO_FP8_H100,
+    where="NVIDIA/NeMo docs/source/performance/performance_summary.md (container 24.07, DGX-H100)",
+    convention="6N + 12 L h s (N with the embeddings), which gives the table's model TFLOP/s within 2% "
+    "(Llama 3 8B's within 6%); % of the 989 TFLOP/s bfloat16 peak",
+    features=MEGATRON_CORE,
+    profile=H100,
+    assumed="the distributed optimizer (ZeRO-1); sequence parallelism with TP; no recomputation beyond "
+    "FlashAttention's; the GPT-3 models' vocabulary padded to 50,304; the GPT-3 models with dropout and "
+    "gradients reduced in bfloat16, the Llamas without dropout and in float32 (NeMo-Framework-Launcher's "
+    "performance configs: hidden_dropout 0.1, distributed_fused_adam's grad_sync_dtype bf16)",
+)
+LLAMA2_7B = llama(4096, 32, 32, 32, 11008, 32000, 4096)
+# (name, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
+NEMO_ROWS = [
+    ("GPT-3 5B", gpt(4096, 24, 32, 50304, 2048), 64, 2048, 4, 1, 1, 1, 1, 22521),
+    ("GPT-3 20B", gpt(6144, 44, 48, 50304, 2048), 64, 256, 2, 2, 1, 1, 1, 5851),
+    ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 128, 256, 1, 4, 8, 1, 6, 726),
+    ("GPT-3 175B", gpt(12288, 96, 96, 50304, 2048), 512, 2048, 2, 4, 8, 1, 6, 782),
+    ("Llama 2 7B", LLAMA2_7B, 8, 128, 1, 1, 1, 1, 1, 16847),
+    ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 16, 128, 1, 1, 4, 1, 10, 8646),
+    ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 64, 128, 1, 4, 4, 1, 20, 1707),
+    ("Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 2, 1, 12036),
+    ("Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 4, 2, 5, 1533),
+]
+
+
+def nemo_rows() -> list[Published]:
+    rows = []
+    for name, model, gpus, batch, micro, tp, pp, cp, chunks, tokens_per_s in NEMO_ROWS:
+        layout = Layout(tp, pp, gpus // (tp * pp * cp), chunks, micro, 1, "selective", tp > 1, cp=cp)
+        label, job = f"{name} {layout.describe()}", (model, model.max_seq_len, batch)
+        # NeMo-Framework-Launcher's GPT-3 performance configs: hidden_dropout 0.1, and distributed_fused_adam
+        # with grad_sync_dtype bf16; its Llamas: no dropout, float32 gradients.
+        gpt3 = name.startswith("GPT-3")
+        rows.append(
+            published(
+                NEMO,
+                label,
+                job,
+                layout,
+                palm_flops(num_params(model)),
+                tokens_per_s_per_gpu=tokens_per_s,
+                fp8=True,
+                dropout=gpt3,
+                grad_bytes=2 if gpt3 else 4,
+            )
+        )
+    return rows
+
+
+NEMO_LONG_H100 = "NeMo 24.03 H100, float8, Llama 2 7B at 4K-1M tokens"
+NEMO_LONG = dataclasses.replace(
+    NEMO,
+    name=NEMO_LONG_H100,
+    where="NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (May 2025 revision), 'LLAMA2-7B "
+    "(FP8) - H100' (container 24.03.01, DGX-H100), its runs with context parallelism",
+    convention="model TFLOP/s per GPU as NeMo counts them (its Llama formula: 6N without the input "
+    "embedding, attention's 12 L h s unhalved), % of the 989 TFLOP/s bfloat16 peak",
+    assumed=f"{NEMO.assumed}; micro-batches of 1",
+)
+# Llama 2 7B in float8, 4M tokens a step at every length: (sequence, GPUs, TP, PP, DP, CP, TFLOP/s per GPU).
+LLAMA2_7B_LONG_ROWS = [
+    (4096, 4, 1, 1, 4, 1, 768),
+    (8192, 8, 1, 2, 4, 1, 730),
+    (16384, 16, 2, 1, 8, 1, 660),
+    (32768, 32, 2, 1, 8, 2, 610),
+    (65536, 64, 4, 1, 8, 2, 574),
+    (131072, 128, 4, 1, 8, 4, 555),
+    (262144, 256, 4, 1, 8, 8, 549),
+    (524288, 512, 8, 1, 4, 16, 549),
+    (1048576, 1024, 8, 1, 4, 32, 536),
+]
+
+
+def nemo_long_rows() -> list[Published]:
+    rows = []
+    for seq_len, gpus, tp, pp, dp, cp, tflops in LLAMA2_7B_LONG_ROWS:
+        assert tp * pp * dp * cp == gpus, (seq_len, gpus)
+        model = dataclasses.replace(LLAMA2_7B, max_seq_len=seq_len)
+        layout = Layout(tp, pp, dp, 1, 1, 1, "selective", tp > 1, cp=cp)
+        label, job = f"Llama 2 7B at {seq_len:,} {layout.describe()}", (model, seq_len, 2**22 // seq_len)
+        rows.append(
+            published(
+                NEMO_LONG,
+                label,
+                job,
+                layout,
+                palm_flops(num_params(model)),
+                tflops_per_gpu=tflops,
+                fp8=True,
+            )
+        )
+    return rows
+
+
+BRIDGE_H100 = "Megatron-Bridge 25.11 H100, float8"
+BRIDGE_BLACKWELL = "Megatron-Bridge 25.11 B200 and GB200, float8"
+BRIDGE = dataclasses.replace(
+    NEMO,
+    # Megatron-Core cuts layers into unequal stages since September 2024 (first and last stages' layer
+    # counts, Megatron-LM commit fa8bb5921b), with virtual stages since February 2025 (ef490839e8).
+    features=dataclasses.replace(MEGATRON_CORE, uneven_stages=True),
+    name=BRIDGE_H100,
+    where="NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at v0.2.2, '25.11 NeMo Container' "
+    "(DGX-H100, DGX-B200, DGX-GB200), FP8-CS rows",
+    convention="6N + 12 L h s (N with the embeddings), % of the device's bfloat16 peak (989, 2,250 and "
+    "2,500 TFLOP/s)",
+    assumed="the distributed optimizer (ZeRO-1); sequence parallelism with TP; no recomputation beyond "
+    "FlashAttention's; no dropout; gradients reduced in bfloat16 (its Llama configs set "
+    "grad_reduce_in_fp32 False); the virtual stages the table gives, layers cut as evenly as they go; "
+    "the datasheet profiles (B200 at 1,000 W, GB200 at 1,200 W, 72 GPUs in one NVLink "
+    "domain); CUDA graphs not priced (a GPU's launches cost nothing here)",
+)
+# (device, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
+BRIDGE_ROWS = [
+    ("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 1, 5, 1602),
+    ("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 2, 8, 292),
+    ("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, 30624),
+    ("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 2, 8, 661),
+    ("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, 31508),
+    ("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 1, 4, 813),
+]
+
+
+def bridge_rows(devices: tuple[str, ...]) -> list[Published]:
+    rows = []
+    for device, name, model, gpus, batch, micro, tp, pp, cp, chunks, tokens_per_s in BRIDGE_ROWS:
+        if device not in devices:
+            continue
+        profile = PROFILES[device]
+        table = BRIDGE_H100 if device == "h100" else BRIDGE_BLACKWELL
+        source = dataclasses.replace(BRIDGE, name=table, profile=profile)
+        layout = Layout(tp, pp, gpus // (tp * pp * cp), chunks, micro, 1, "selective", tp > 1, cp=cp)
+        label, job = f"{name} on {profile.name} {layout.describe()}", (model, model.max_seq_len, batch)
+        rows.append(
+            published(
+                source,
+                label,
+                job,
+                layout,
+                palm_flops(num_params(model)),
+                tokens_per_s_per_gpu=tokens_per_s,
+                fp8=True,
+                grad_bytes=2,
+            )
+        )
+    return rows
+
+
+# Each table by name, and how its rows are made (`megascale.plan.holdout.HOLDOUT_TABLES`).
+NVIDIA_TABLES = {
+    NEMO_FP8_H100: nemo_rows,
+    NEMO_LONG_H100: nemo_long_rows,
+    BRIDGE_H100: lambda: bridge_rows(("h100",)),
+    BRIDGE_BLACKWELL: lambda: bridge_rows(("b200", "gb200")),
+}
