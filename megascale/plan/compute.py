@@ -209,8 +209,9 @@ def block_time(
         host_s += profile.tp_layer_overhead_s + profile.tp_layer_overhead_s_per_byte * activations
     host_s += profile.dp_layer_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0
     # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
-    full = layout.recompute == "full"
-    recompute_s = (gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s if full else 0.0
+    # Full recomputation redoes the forward of the share of blocks that recompute (`recompute_blocks`).
+    recomputed = layout.recomputed_share(job)
+    recompute_s = ((gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s) * recomputed
     if layout.recompute == "selective" and kernel == "materialized":
         recompute_s = attention_fwd_s
     if layout.recompute == "op":  # every second linear layer's forward, and the element-wise forward

@@ -57,12 +57,13 @@ def ring_message_bytes(job: Job, layout: Layout) -> float:
     return elements * job.precision.activation_bytes
 
 
-def ring_messages(layout: Layout) -> int:
+def ring_messages(job: Job, layout: Layout) -> float:
     """Messages each rank sends per block and micro-batch: the keys and values cp - 1 times forward (twice
-    under full recomputation) and backward, and their gradients cp times."""
+    under full recomputation, for the share of blocks that recompute) and backward, and their gradients cp
+    times."""
     if layout.cp == 1:
         return 0
-    forward_passes = 2 if layout.recompute == "full" else 1
+    forward_passes = 1 + layout.recomputed_share(job)
     return forward_passes * (layout.cp - 1) + (layout.cp - 1) + layout.cp
 
 
@@ -81,10 +82,10 @@ def exposed_ring_seconds(job: Job, layout: Layout, profile: HardwareProfile, fea
         return 0.0
     transfer_s = ring_transfer_seconds(job, layout, profile)
     if not features.cp_overlap:
-        return ring_messages(layout) * transfer_s
+        return ring_messages(job, layout) * transfer_s
     forward_s, backward_s = attention_seconds(job, layout, profile, features.attention)
     steps = layout.cp
-    forward_passes = 2 if layout.recompute == "full" else 1
+    forward_passes = 1 + layout.recomputed_share(job)
     forward = (steps - 1) * max(0.0, transfer_s - forward_s / steps)
     backward = (steps - 1) * max(0.0, 2 * transfer_s - backward_s / steps) + transfer_s
     return forward_passes * forward + backward

@@ -18,9 +18,10 @@ Megatron-Bridge's table of the NeMo 25.11 container (NVIDIA-NeMo/Megatron-Bridge
 at v0.2.2): Llama 3 8B and 70B and Llama 3.1 405B in float8 with current scaling (FP8-CS) on DGX-H100,
 DGX-B200 and DGX-GB200, priced as the 24.07 table's rows are, on the datasheet profiles; Blackwell's
 kernels at the fractions of peak measured on Hopper (`megascale.plan.hardware`: there is no Blackwell
-measurement here). Left out: the rows whose layout a `Layout` cannot state (H100's 8B recomputes 5 of its
-32 blocks, GB200's 70B offloads the activations of 40 of its 80: scripts/performance/configs/llama3 at
-v0.2.2), the GB300 rows (no profile), and the block-scaled float8 figures in the table's parentheses.
+measurement here); H100's 8B with Megatron's FSDP, recomputing 5 of its 32 blocks
+(scripts/performance/configs/llama3 at v0.2.2). Left out: GB200's 70B, which offloads the activations of
+40 of its 80 blocks (a `Layout` offloads all or none), the GB300 rows (no profile), and the block-scaled
+float8 figures in the table's parentheses.
 """
 
 from __future__ import annotations
@@ -160,26 +161,46 @@ BRIDGE = dataclasses.replace(
     "the datasheet profiles (B200 at 1,000 W, GB200 at 1,200 W, 72 GPUs in one NVLink "
     "domain); CUDA graphs not priced (a GPU's launches cost nothing here)",
 )
-# (device, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, tokens/s per GPU)
+# (device, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, FSDP (ZeRO-3), blocks of a
+# chunk recomputed whole (0: none), tokens/s per GPU)
 BRIDGE_ROWS = [
-    ("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 1, 5, 1602),
-    ("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 2, 8, 292),
-    ("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, 30624),
-    ("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 2, 8, 661),
-    ("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, 31508),
-    ("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 1, 4, 813),
+    ("h100", "Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, True, 5, 14451),
+    ("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 1, 5, False, 0, 1602),
+    ("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 2, 8, False, 0, 292),
+    ("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 30624),
+    ("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 2, 8, False, 0, 661),
+    ("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 31508),
+    ("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 1, 4, False, 0, 813),
 ]
 
 
 def bridge_rows(devices: tuple[str, ...]) -> list[Published]:
     rows = []
-    for device, name, model, gpus, batch, micro, tp, pp, cp, chunks, tokens_per_s in BRIDGE_ROWS:
+    for (
+        device,
+        name,
+        model,
+        gpus,
+        batch,
+        micro,
+        tp,
+        pp,
+        cp,
+        chunks,
+        fsdp,
+        recomputed,
+        tokens_per_s,
+    ) in BRIDGE_ROWS:
         if device not in devices:
             continue
         profile = PROFILES[device]
         table = BRIDGE_H100 if device == "h100" else BRIDGE_BLACKWELL
         source = dataclasses.replace(BRIDGE, name=table, profile=profile)
-        layout = Layout(tp, pp, gpus // (tp * pp * cp), chunks, micro, 1, "selective", tp > 1, cp=cp)
+        recompute = "full" if recomputed else "selective"
+        dp, zero = gpus // (tp * pp * cp), 3 if fsdp else 1
+        layout = Layout(
+            tp, pp, dp, chunks, micro, zero, recompute, tp > 1, cp=cp, recompute_blocks=recomputed
+        )
         label, job = f"{name} on {profile.name} {layout.describe()}", (model, model.max_seq_len, batch)
         rows.append(
             published(

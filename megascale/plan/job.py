@@ -127,6 +127,9 @@ class Layout:
     # what it keeps off the device until its backward, which fetches it back (one block ahead on an
     # accelerator; on a CPU when autograd asks for it).
     offload: bool = False
+    # With recompute "full": how many blocks of each model chunk recompute, the first ones, the rest
+    # keeping all they make (Megatron-LM's --recompute-method block --recompute-num-layers); 0: every block.
+    recompute_blocks: int = 0
 
     @property
     def devices(self) -> int:
@@ -141,6 +144,13 @@ class Layout:
     def micro_batches(self, job: Job) -> int:
         """Micro-batches each pipeline runs per step."""
         return job.global_batch // (self.dp * self.micro_batch)
+
+    def recomputed_share(self, job: Job) -> float:
+        """The share of the blocks whose forward the backward runs again whole (full recomputation)."""
+        if self.recompute != "full":
+            return 0.0
+        chunk_blocks = job.model.n_layers / (self.pp * self.virtual_stages)
+        return min(1.0, self.recompute_blocks / chunk_blocks) if self.recompute_blocks else 1.0
 
     def local_seq_len(self, job: Job) -> int:
         """Positions of each sequence one rank computes: its 2 chunks of 2 x cp under context parallelism."""
@@ -163,6 +173,7 @@ class Layout:
         return (
             f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{context}{experts} mb{self.micro_batch} "
             f"zero{self.zero_stage} recompute={self.recompute}"
+            + (f"({self.recompute_blocks} a chunk)" if self.recompute_blocks else "")
             + (" split=params" if self.pp > 1 and self.stage_split == "params" else "")
             + (" offload" if self.offload else "")
         )
@@ -213,6 +224,9 @@ class Features:
     # (Megatron-LM from 2022, Korthikanti et al.), and the activation recomputation it offers (searched).
     sequence_parallel: bool = True
     recomputes: tuple[str, ...] = ("none", "selective", "full")
+    # Whether full recomputation can be kept to some blocks of each chunk (`Layout.recompute_blocks`:
+    # Megatron-LM's --recompute-method block, from 2022); the search then tries the fewest that fit.
+    partial_recompute: bool = False
     # Without sequence parallelism each tp rank sends only its slice of a pipeline transfer (Megatron-LM's
     # scatter/gather); megascale's trainer sends the whole tensor from each.
     pp_scatter_gather: bool = True

@@ -175,8 +175,16 @@ def activation_bytes_per_block(
     s, b, t = layout.local_seq_len(job), layout.micro_batch, layout.tp
     scale = job.precision.activation_bytes / 2  # the counts are of 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
-    if layout.recompute == "full":
-        return s * b * job.model.dim * 2 * scale / (t if sharded else 1)
+    if layout.recompute == "full":  # the block's input; where only some blocks recompute, the average
+        block_input = s * b * job.model.dim * 2 * scale / (t if sharded else 1)
+        share = layout.recomputed_share(job)
+        if share == 1.0:
+            return block_input
+        whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
+        whole_bytes = activation_bytes_per_block(
+            job, whole, moe, materialized_scores, fused_swiglu, float8_inputs
+        )
+        return share * block_input + (1 - share) * whole_bytes
     if layout.recompute == "op":
         model = job.model
         op_kept = model.dim / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
@@ -292,7 +300,7 @@ def memory_per_device(
         held_blocks = offload_held_blocks(layout, blocks, in_flight, fetch_ahead=not on_cpu)
     working = 0.0
     if layout.recompute == "full":  # the block whose forward is recomputed holds all of it for its backward
-        whole = dataclasses.replace(layout, recompute="none")
+        whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
         moe = moe_blocks == blocks
         if own_blocks and not moe:
             working = trainer_block_bytes(job, whole, on_cpu)

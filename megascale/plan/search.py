@@ -15,6 +15,7 @@ micro-batches of 6 or 12, NeMo's Llama 2 70B at 20 chunks of one layer).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megascale.errors import ConfigError
@@ -158,6 +159,37 @@ def _stages_fit(n_layers: int, stages: int, features: Features) -> bool:
     return n_layers % stages == 0 or features.uneven_stages and stages <= n_layers
 
 
+def _fewest_recomputed(
+    job: Job,
+    layout: Layout,
+    kept_all: StepEstimate,
+    features: Features,
+    profile: HardwareProfile,
+    cluster: Cluster,
+    limit_bytes: float,
+) -> Plan | None:
+    """Where a layout that recomputes nothing does not fit and its system can recompute some blocks of
+    each chunk (`Features.partial_recompute`), the layout recomputing the fewest that fit; None where
+    recomputing all of them would be needed or would not fit either. Memory falls about linearly in the
+    blocks recomputed, so the count is read off that line and checked, a block more at a time."""
+    if not features.partial_recompute or layout.recompute != "none" or "full" not in features.recomputes:
+        return None
+    if layout_problem(job, dataclasses.replace(layout, recompute="full", recompute_blocks=1)):
+        return None
+    chunk_blocks = math.ceil(job.model.n_layers / (layout.pp * layout.virtual_stages))
+    full = estimate_step(job, dataclasses.replace(layout, recompute="full"), features, profile, cluster)
+    kept_bytes, full_bytes = kept_all.memory.total_bytes, full.memory.total_bytes
+    if full_bytes > limit_bytes:
+        return None
+    blocks = math.ceil(chunk_blocks * (kept_bytes - limit_bytes) / (kept_bytes - full_bytes))
+    for count in range(max(1, blocks), chunk_blocks):
+        partial = dataclasses.replace(layout, recompute="full", recompute_blocks=count)
+        estimate = estimate_step(job, partial, features, profile, cluster)
+        if estimate.memory.total_bytes <= limit_bytes:
+            return Plan(partial, estimate)
+    return None
+
+
 def memory_limit_bytes(profile: HardwareProfile, devices: int) -> float:
     """What one device may use: its memory less headroom, or on a CPU its share of the host's."""
     sharing = min(devices, profile.devices_per_node) if profile.host_cores else 1
@@ -194,6 +226,10 @@ def search(
     plans, smallest = [], None
     for layout in layouts:
         estimate = estimate_step(job, layout, features, profile, cluster)
+        if estimate.memory.total_bytes > limit_bytes and (
+            partial := _fewest_recomputed(job, layout, estimate, features, profile, cluster, limit_bytes)
+        ):
+            plans.append(partial)
         if estimate.memory.total_bytes <= limit_bytes:
             plans.append(Plan(layout, estimate))
         elif smallest is None or estimate.memory.total_bytes < smallest.estimate.memory.total_bytes:

@@ -189,7 +189,7 @@ def _tp_exposed_seconds(
         return 0.0
     if moe is None and layout.attention == "tp":
         return _megatron_tp_exposed_seconds(job, layout, profile, features, block.gemm_s)
-    full = layout.recompute == "full"
+    recomputed = layout.recomputed_share(job)
     payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     gather_s = gather_or_scatter_seconds(
         payload, layout.tp, profile, group_spans_nodes(1, layout.tp, profile.devices_per_node)
@@ -200,12 +200,12 @@ def _tp_exposed_seconds(
             linear_s = attention_linear_seconds(job, layout, profile)
             attention_s = attention_s / TP_OVERLAP_CHUNKS + max(0.0, attention_s - linear_s)
     else:  # Megatron's collectives around a column/row-parallel pair, not fused in a serial block
-        attention_s = pair_collectives(layout) * gather_s
+        attention_s = pair_collectives(job, layout) * gather_s
     if moe is None or layout.moe_tp == "ep":
         return attention_s  # the MLP runs on the rank's share of the sequence, or its experts' slots
     if layout.moe_tp == "whole":  # the whole sequence gathered forward, its gradient scattered backward
-        return attention_s + (2 + (1 if full else 0)) * gather_s
-    mlp_s = pair_collectives(layout) * gather_s  # "split": the dense MLP's pair around the experts
+        return attention_s + (2 + recomputed) * gather_s
+    mlp_s = pair_collectives(job, layout) * gather_s  # "split": the dense MLP's pair around the experts
     if features.tp_overlap:
         mlp_s = mlp_s / TP_OVERLAP_CHUNKS + max(0.0, mlp_s - moe.gemm_s)
     return attention_s + mlp_s
@@ -217,7 +217,7 @@ def _megatron_tp_exposed_seconds(
     """A dense block under Megatron's tensor and sequence parallelism."""
     # A serial block has two column/row-parallel pairs, a parallel block (PTB) one.
     groups = 1 if job.model.block == "parallel" else 2
-    collectives = groups * pair_collectives(layout)
+    collectives = groups * pair_collectives(job, layout)
     payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     cross = group_spans_nodes(1, layout.tp, profile.devices_per_node)
     collective_s = gather_or_scatter_seconds(payload, layout.tp, profile, cross)
@@ -260,17 +260,17 @@ def _column_backward_hidden_seconds(
     return hidden_s
 
 
-def pair_collectives(layout: Layout) -> int:
+def pair_collectives(job: Job, layout: Layout) -> float:
     """All-gathers and reduce-scatters (an all-reduce counts as one of each) around one column-parallel/
     row-parallel pair per micro-batch, forward + backward. With sequence parallelism the column-parallel
     layer all-gathers its input forward, all-gathers it again and reduce-scatters its input gradient
     backward (the gathered input is not kept), and the row-parallel one reduce-scatters forward and
     all-gathers backward: 5. Without it (Megatron-LM before 2022) the input is kept whole: one all-reduce
     forward after the row-parallel layer and one backward before the column-parallel one: 4. Full
-    recomputation runs the forward's collectives again."""
+    recomputation runs the forward's collectives again, in the share of blocks that recompute."""
     forward = 2
     backward = 3 if layout.sequence_parallel else 2
-    return forward * (2 if layout.recompute == "full" else 1) + backward
+    return forward * (1 + layout.recomputed_share(job)) + backward
 
 
 def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
@@ -283,7 +283,7 @@ def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: Hard
     nbytes = job.precision.activation_bytes
     qkv = tokens * (model.attention.n_heads + 2 * model.attention.n_kv_heads) * head_dim * nbytes
     out = tokens * model.attention.n_heads * head_dim * nbytes
-    passes = 2 + (1 if layout.recompute == "full" else 0)
+    passes = 2 + layout.recomputed_share(job)
     return passes * sum(all_to_all_seconds(payload, layout.tp, 1, profile) for payload in (qkv, out))
 
 

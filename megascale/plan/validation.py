@@ -243,8 +243,7 @@ MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, tp_backward_overlap=True)
 # and every run recomputing whole blocks, as its hardware FLOPs (Eq. 3) count the recomputed forward.
 MEGATRON_2021_SC21 = dataclasses.replace(MEGATRON_2021, sequence_parallel=False, recomputes=("full",))
 # Megatron-Core in 2024: data-, tensor- and pipeline-parallel communication overlapped, fused kernels
-# (Transformer Engine's fused attention, and its ring attention's transfers behind the blocks), and in
-# float8 Transformer Engine's linear layers, which keep their inputs for the backward in float8.
+# (Transformer Engine's: fused attention, ring attention's transfers behind the blocks, float8 inputs).
 MEGATRON_CORE = Features(
     tp_overlap=True,
     tp_overlap_attention=True,
@@ -255,6 +254,7 @@ MEGATRON_CORE = Features(
     zero_stages=(1,),  # the distributed optimizer
     host_overhead_s=0.2,
     float8_keeps_inputs=True,
+    partial_recompute=True,
 )
 # FSDP (PyTorch's, in torchtitan and Composer, uncompiled): per-block all-gathers prefetched, reduce-
 # scatters behind the backward, FlashAttention-2 (torch's SDPA ran it on Hopper too in late 2024,

@@ -41,7 +41,7 @@ def step(cp: int, features=MEGASCALE, **changes):
 
 def test_without_context_parallelism_the_predictions_are_the_ones_published_before():
     """cp = 1 adds no term, byte or message: the SC'21 1.7B row predicts its pinned step."""
-    assert step(1).terms_s["cp_exposed"] == 0 and ring_messages(layout(1)) == 0
+    assert step(1).terms_s["cp_exposed"] == 0 and ring_messages(JOB, layout(1)) == 0
     assert ring_buffer_bytes(JOB, layout(1)) == 0
     assert sc21()[0].predict().step_s == pytest.approx(3.5420863897410984, rel=1e-12)
 
@@ -72,13 +72,13 @@ def test_a_ring_message_and_the_messages_per_layer_follow_the_formula():
     four = layout(4)
     # Keys and values stacked: 2 x (32,768 / 4) positions x (8 / 8) kv heads x 128 x 1 sequence x 2 bytes.
     assert ring_message_bytes(JOB, four) == 2 * 8192 * 1 * 128 * 1 * 2
-    assert ring_messages(four) == (4 - 1) + (4 - 1) + 4  # forward; backward's keys and values, gradients
-    assert ring_messages(layout(4, recompute="full")) == 2 * (4 - 1) + (4 - 1) + 4
+    assert ring_messages(JOB, four) == (4 - 1) + (4 - 1) + 4  # forward; backward's keys and values, gradients
+    assert ring_messages(JOB, layout(4, recompute="full")) == 2 * (4 - 1) + (4 - 1) + 4
     message_s = send_seconds(ring_message_bytes(JOB, four), H100, cross_node=True)  # tp 8: a node each
     assert ring_transfer_seconds(JOB, four, H100) == message_s
     blocks = JOB.model.n_layers
     assert step(4, NO_CP_OVERLAP).terms_s["cp_exposed"] == pytest.approx(
-        four.micro_batches(JOB) * blocks * ring_messages(four) * message_s
+        four.micro_batches(JOB) * blocks * ring_messages(JOB, four) * message_s
     )
     activations = lambda chosen: memory_per_device(JOB, chosen).activations_bytes  # noqa: E731
     ring_bytes = activations(four) - activations(layout(1)) / 4  # a quarter of the rest, and the messages

@@ -117,7 +117,8 @@ def test_nemos_long_sequence_rows_keep_4m_tokens_a_step_and_their_published_tflo
 def test_megatron_bridges_rows_run_their_tables_layouts_on_their_own_devices():
     """Megatron-Bridge's 25.11 table: each row on its device's profile and its published split, in float8
     with bfloat16 gradients (its Llama configs set grad_reduce_in_fp32 False), its 126-layer model cut
-    into 64 unequal stages as Megatron-Core cuts it; the model FLOPs per GPU come out as the table's."""
+    into 64 unequal stages as Megatron-Core cuts it, its H100 8B recomputing 5 blocks as its config says;
+    the model FLOPs per GPU come out as the table's."""
     h100 = holdout.holdout_rows(holdout_nvidia.BRIDGE_H100)
     blackwell = holdout.holdout_rows(holdout_nvidia.BRIDGE_BLACKWELL)
     assert {row.source.profile.name for row in h100} == {"H100-SXM5-80GB"}
@@ -125,6 +126,12 @@ def test_megatron_bridges_rows_run_their_tables_layouts_on_their_own_devices():
     for row in h100 + blackwell:
         assert row.job.fp8 and row.job.precision.grad_bytes == 2 and row.source.features.uneven_stages
         assert row.source.features.float8_keeps_inputs
+    row_8b = next(row for row in h100 if "8B" in row.label)  # Megatron's FSDP, 5 of 32 blocks recomputed
+    assert (row_8b.layout.zero_stage, row_8b.layout.recompute, row_8b.layout.recompute_blocks) == (
+        3,
+        "full",
+        5,
+    )
     row_405b = next(row for row in h100 if "405B" in row.label)
     assert (row_405b.layout.tp, row_405b.layout.pp, row_405b.layout.cp, row_405b.gpus) == (8, 8, 2, 1024)
     assert row_405b.layout.virtual_stages == 8 and row_405b.job.model.n_layers == 126

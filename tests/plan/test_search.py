@@ -133,3 +133,29 @@ def test_each_split_is_listed_once_at_its_fastest():
     for plan in listed:
         assert plan.estimate.step_s == min(p.estimate.step_s for p in plans if p.split == plan.split)
     assert len(listed) < len(plans)
+
+
+def test_a_system_that_recomputes_some_blocks_gets_the_fewest_that_fit():
+    """Where recomputing nothing does not fit and recomputing every block does, a system with Megatron's
+    block-wise recomputation (`Features.partial_recompute`) gets the layout recomputing the fewest blocks
+    of each chunk that fit: one fewer would not, and it is faster than recomputing them all."""
+    from megascale.plan.step import estimate_step
+
+    job = dataclasses.replace(JOB, global_batch=64)
+    cluster, fixed = Cluster(64), {"tp": 8, "pp": 4, "micro_batch": 1, "virtual_stages": 1}
+    features = dataclasses.replace(
+        MEGASCALE, recomputes=("none", "full"), partial_recompute=True, zero_stages=(1,)
+    )
+    limit = memory_limit_bytes(A100, 64)
+    plans = search(job, cluster, A100, features, fixed=fixed)
+    partial = [plan for plan in plans if plan.layout.recompute_blocks]
+    assert partial, "the 175B model's 24 blocks a stage do not fit on 64 A100s without recomputing"
+    plan = partial[0]
+    fewer = dataclasses.replace(plan.layout, recompute_blocks=plan.layout.recompute_blocks - 1)
+    if fewer.recompute_blocks == 0:
+        fewer = dataclasses.replace(fewer, recompute="none")
+    assert estimate_step(job, fewer, features, A100, cluster).memory.total_bytes > limit
+    everything = dataclasses.replace(plan.layout, recompute_blocks=0)
+    assert plan.estimate.step_s < estimate_step(job, everything, features, A100, cluster).step_s
+    without = search(job, cluster, A100, dataclasses.replace(features, partial_recompute=False), fixed=fixed)
+    assert not any(plan.layout.recompute_blocks for plan in without)

@@ -323,10 +323,10 @@ def test_megatrons_collectives_per_column_row_pair_follow_sequence_parallelism()
     Without it: an all-reduce forward and one backward (4). Full recomputation repeats the forward's."""
     from megascale.plan.step import pair_collectives
 
-    assert pair_collectives(Layout(recompute="selective")) == 5
-    assert pair_collectives(Layout(recompute="full")) == 7
-    assert pair_collectives(Layout(recompute="selective", sequence_parallel=False)) == 4
-    assert pair_collectives(Layout(recompute="full", sequence_parallel=False)) == 6
+    assert pair_collectives(JOB, Layout(recompute="selective")) == 5
+    assert pair_collectives(JOB, Layout(recompute="full")) == 7
+    assert pair_collectives(JOB, Layout(recompute="selective", sequence_parallel=False)) == 4
+    assert pair_collectives(JOB, Layout(recompute="full", sequence_parallel=False)) == 6
 
 
 @pytest.mark.parametrize(("pp", "virtual_stages"), [(8, 1), (8, 6), (2, 1), (2, 2)])
@@ -425,7 +425,7 @@ def test_megatrons_column_parallel_backward_hides_two_collectives_a_pair_behind_
     collective_s = gather_or_scatter_seconds(2048 * model.dim * 2, 8, A100, cross_node=False)
     blocks_per_micro_batch = model.n_layers // 8
     micro_batches = 768 // 4
-    per_block = 2 * pair_collectives(layout) * collective_s
+    per_block = 2 * pair_collectives(job, layout) * collective_s
     assert plain.terms_s["tp_exposed"] == pytest.approx(micro_batches * blocks_per_micro_batch * per_block)
     assert hidden.terms_s["tp_exposed"] == pytest.approx(
         micro_batches * blocks_per_micro_batch * (per_block - 2 * 2 * collective_s)
@@ -441,3 +441,30 @@ def test_megatrons_column_parallel_backward_hides_two_collectives_a_pair_behind_
     assert exposed - exposed_hidden == pytest.approx(
         micro_batches * blocks_per_micro_batch * gemms_hiding * (attention_gemm_s + mlp_gemm_s)
     )
+
+
+def test_recomputing_some_blocks_of_each_chunk_costs_and_saves_their_share():
+    """Megatron's block-wise recomputation (`Layout.recompute_blocks`): with 1 of each chunk's 2 blocks
+    recomputed, the recomputation, the repeated forward collectives and the activations kept are each
+    halfway between recomputing none and recomputing all."""
+    from megascale.plan.experts import layout_problem
+    from megascale.plan.memory import activation_bytes_per_block
+    from megascale.plan.step import pair_collectives
+
+    base = Layout(tp=8, pp=8, dp=4, virtual_stages=6, micro_batch=1, zero_stage=1)  # 96 blocks: 2 a chunk
+    none, full = (dataclasses.replace(base, recompute=kind) for kind in ("none", "full"))
+    half = dataclasses.replace(full, recompute_blocks=1)
+    assert half.recomputed_share(JOB) == 0.5 and half.describe().endswith("recompute=full(1 a chunk)")
+    steps = {
+        name: estimate_step(JOB, layout, MEGATRON, A100, Cluster(256))
+        for name, layout in (("none", none), ("half", half), ("full", full))
+    }
+    assert steps["half"].terms_s["recompute"] == pytest.approx(steps["full"].terms_s["recompute"] / 2)
+    assert steps["none"].terms_s["recompute"] == 0
+    assert pair_collectives(JOB, half) == (pair_collectives(JOB, none) + pair_collectives(JOB, full)) / 2
+    kept = [activation_bytes_per_block(JOB, layout) for layout in (none, half, full)]
+    assert kept[1] == pytest.approx((kept[0] + kept[2]) / 2)
+    assert steps["none"].memory.activations_bytes > steps["half"].memory.activations_bytes
+    assert steps["half"].memory.activations_bytes > steps["full"].memory.activations_bytes
+    assert layout_problem(JOB, dataclasses.replace(none, recompute_blocks=1))  # only with full
+    assert layout_problem(JOB, dataclasses.replace(half, offload=True))
