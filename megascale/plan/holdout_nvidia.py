@@ -27,7 +27,9 @@ float8 figures in the table's parentheses.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from megascale.config import ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
@@ -45,6 +47,15 @@ from megascale.plan.validation import (
 
 LLAMA3_70B = llama(8192, 80, 64, 8, 28672, 128256, 8192)
 LLAMA3_405B = llama(16384, 126, 128, 8, 53248, 128256, 8192)
+
+
+def float8_row(
+    source: Source, label: str, job: tuple[ModelConfig, int, int], layout: Layout, **figures: Any
+) -> Published:
+    """A row of these tables: a float8 run, its FLOPs counted as 6N + 12 L h s with N the model's
+    parameters; `figures` are what its source gives (`published`'s keywords)."""
+    return published(source, label, job, layout, palm_flops(num_params(job[0])), fp8=True, **figures)
+
 
 NEMO_FP8_H100 = "NeMo 24.07 H100, float8"
 NEMO = Source(
@@ -83,14 +94,12 @@ def nemo_rows() -> list[Published]:
         # with grad_sync_dtype bf16; its Llamas: no dropout, float32 gradients.
         gpt3 = name.startswith("GPT-3")
         rows.append(
-            published(
+            float8_row(
                 NEMO,
                 label,
                 job,
                 layout,
-                palm_flops(num_params(model)),
                 tokens_per_s_per_gpu=tokens_per_s,
-                fp8=True,
                 dropout=gpt3,
                 grad_bytes=2 if gpt3 else 4,
             )
@@ -129,17 +138,7 @@ def nemo_long_rows() -> list[Published]:
         model = dataclasses.replace(LLAMA2_7B, max_seq_len=seq_len)
         layout = Layout(tp, pp, dp, 1, 1, 1, "selective", tp > 1, cp=cp)
         label, job = f"Llama 2 7B at {seq_len:,} {layout.describe()}", (model, seq_len, 2**22 // seq_len)
-        rows.append(
-            published(
-                NEMO_LONG,
-                label,
-                job,
-                layout,
-                palm_flops(num_params(model)),
-                tflops_per_gpu=tflops,
-                fp8=True,
-            )
-        )
+        rows.append(float8_row(NEMO_LONG, label, job, layout, tflops_per_gpu=tflops))
     return rows
 
 
@@ -202,18 +201,7 @@ def bridge_rows(devices: tuple[str, ...]) -> list[Published]:
             tp, pp, dp, chunks, micro, zero, recompute, tp > 1, cp=cp, recompute_blocks=recomputed
         )
         label, job = f"{name} on {profile.name} {layout.describe()}", (model, model.max_seq_len, batch)
-        rows.append(
-            published(
-                source,
-                label,
-                job,
-                layout,
-                palm_flops(num_params(model)),
-                tokens_per_s_per_gpu=tokens_per_s,
-                fp8=True,
-                grad_bytes=2,
-            )
-        )
+        rows.append(float8_row(source, label, job, layout, tokens_per_s_per_gpu=tokens_per_s, grad_bytes=2))
     return rows
 
 
