@@ -188,12 +188,19 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
     )
 
 
-def exposed_all_to_all_seconds(work: MoEWork, overlap: str) -> float:
+def exposed_all_to_all_seconds(work: MoEWork, overlap: str, block_s: float) -> float:
     """What of the layer's all-to-alls stays on the critical path: all of it without overlap; with it,
     the first chunk and whatever outlasts the expert GEMMs it runs beside (the forward's alone under
-    "forward", a third of them)."""
+    "forward", a third of them). Under "batch" a micro-batch's forward runs beside another's backward,
+    layer by layer (Megatron-Core's overlap_moe_expert_parallel_comm, pipeline_parallel/combined_1f1b.py):
+    the forward's exchanges hide behind the other's backward through the whole block (two thirds of
+    `block_s`, the block's compute a micro-batch), the backward's behind its forward (a third)."""
     if overlap == "none" or not work.all_to_all_s:
         return work.all_to_all_s
+    if overlap == "batch":
+        backward_exchanges_s = work.all_to_all_s - work.forward_all_to_all_s
+        forward_exposed_s = max(0.0, work.forward_all_to_all_s - 2 * block_s / 3)
+        return forward_exposed_s + max(0.0, backward_exchanges_s - block_s / 3)
     if overlap == "forward":
         hidden_s, beside_s = work.forward_all_to_all_s, work.expert_gemm_s / 3
     else:
@@ -219,15 +226,17 @@ def expert_data_parallel(layout: Layout) -> tuple[int, int]:
     return layout.fsdp_ranks // layout.ep, layout.tp * layout.ep
 
 
-def moe_activation_bytes(job: Job, layout: Layout) -> float:
+def moe_activation_bytes(job: Job, layout: Layout, weighted_activation: bool = False) -> float:
     """Activations one MoE layer keeps for its backward, per micro-batch, on one device (without the
     attention's): each routed slot's input and output (h wide) and its expert's two projections and their
-    product (expert width), the shared experts' the same per token; full recomputation keeps none."""
+    product (expert width), the shared experts' the same per token; full recomputation keeps none. With
+    `weighted_activation` the router's weights scale each slot inside its expert's activation, so the
+    output, summed back unweighted, is not kept (`Features.moe_weighted_activation`)."""
     if layout.recompute == "full":
         return 0.0
     model, moe = job.model, job.model.moe
     width = expert_width(job, layout)
     nbytes = job.precision.activation_bytes
-    per_slot = 2 * model.dim + 3 * width
+    per_slot = (1 if weighted_activation else 2) * model.dim + 3 * width
     per_token = (3 * moe.shared_experts * width + model.dim) if moe.shared_experts else 0
     return nbytes * (slots_computed(job, layout) * per_slot + tokens_in(job, layout) * per_token)

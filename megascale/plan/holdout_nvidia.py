@@ -21,16 +21,18 @@ kernels at the fractions of peak measured on Hopper (`megascale.plan.hardware`: 
 measurement here); H100's 8B with Megatron's FSDP, recomputing 5 of its 32 blocks
 (scripts/performance/configs/llama3 at v0.2.2). Left out: GB200's 70B, which offloads the activations of
 40 of its 80 blocks (a `Layout` offloads all or none), the GB300 rows (no profile), and the block-scaled
-float8 figures in the table's parentheses.
+float8 figures in the table's parentheses. Its Qwen3 mixture-of-experts rows (scripts/performance/configs/
+qwen3) are a table of their own; its DeepSeek-V3 (latent attention) and GPT-OSS (attention sinks) rows are
+left out, their attention not being one the planner prices.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
-from megascale.config import ModelConfig
-from megascale.models.flops import num_params
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig
+from megascale.models.flops import flops_per_token, num_params
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
 from megascale.plan.validation import (
@@ -205,10 +207,117 @@ def bridge_rows(devices: tuple[str, ...]) -> list[Published]:
     return rows
 
 
+def qwen3_moe(dim: int, layers: int, heads: int, expert_dim: int) -> ModelConfig:
+    """A Qwen3 MoE model (its Hugging Face config): 128 experts, top-8, no shared expert, 4 key-value heads
+    of 128, QK-norm, untied embeddings; routing forced even, as the benchmark forces it (each expert its
+    mean: a capacity of 1 drops nothing there)."""
+    return ModelConfig(
+        dim=dim,
+        n_layers=layers,
+        vocab_size=151936,
+        max_seq_len=4096,
+        tie_embeddings=False,
+        attention=AttentionConfig(n_heads=heads, n_kv_heads=4, head_dim=128, qk_norm=True),
+        moe=MoEConfig(experts=128, top_k=8, expert_dim=expert_dim, capacity_factor=1.0),
+    )
+
+
+def causal_model_flops(model: ModelConfig, seq_len: int) -> float:
+    """NVIDIA's model FLOPs a token: 6 x the parameters a token uses (the output layer's too), and causal
+    attention at half the square (what its tokens/s and TFLOP/s columns imply, within 1%)."""
+    head_dim = model.attention.head_dim or model.dim // model.attention.n_heads
+    return flops_per_token(model, seq_len) - 6 * model.n_layers * model.attention.n_heads * head_dim * seq_len
+
+
+BRIDGE_MOE = "Megatron-Bridge 25.11, Qwen3 MoE"
+QWEN3_30B_A3B = qwen3_moe(2048, 48, 32, 768)
+QWEN3_235B_A22B = qwen3_moe(4096, 94, 64, 1536)
+
+
+class BridgeMoERun(NamedTuple):
+    """One Qwen3 row of Megatron-Bridge's 25.11 table; `chunks` are its virtual stages, `a2a_overlap` its
+    config's moe_a2a_overlap (each micro-batch's all-to-alls beside another's block)."""
+
+    device: str
+    name: str
+    model: ModelConfig
+    gpus: int
+    batch: int
+    micro: int
+    tp: int
+    pp: int
+    chunks: int
+    ep: int
+    fp8: bool
+    a2a_overlap: bool
+    tokens_per_s: float  # per GPU, as published
+
+
+BRIDGE_MOE_ROWS = [
+    BridgeMoERun("h100", "Qwen3 30B-A3B", QWEN3_30B_A3B, 16, 512, 2, 1, 2, 24, 8, True, True, 5275),
+    BridgeMoERun("h100", "Qwen3 235B-A22B", QWEN3_235B_A22B, 256, 2048, 1, 2, 8, 4, 32, True, True, 1575),
+    BridgeMoERun("b200", "Qwen3 30B-A3B", QWEN3_30B_A3B, 8, 512, 1, 1, 1, 1, 8, True, False, 9299),
+    BridgeMoERun("b200", "Qwen3 235B-A22B", QWEN3_235B_A22B, 64, 1024, 1, 1, 8, 2, 8, True, True, 3269),
+    BridgeMoERun("gb200", "Qwen3 30B-A3B", QWEN3_30B_A3B, 8, 512, 4, 1, 1, 1, 8, True, False, 23766),
+    BridgeMoERun("gb200", "Qwen3 235B-A22B", QWEN3_235B_A22B, 256, 8192, 1, 1, 8, 3, 32, False, False, 4916),
+]
+MOE_FEATURES = dataclasses.replace(
+    BRIDGE.features,
+    moe_tp=("split", "ep"),
+    moe_attention="tp",
+    moe_weighted_activation=True,
+    loss_bytes_per_logit=4,
+)
+
+
+def bridge_moe_rows() -> list[Published]:
+    rows = []
+    for run in BRIDGE_MOE_ROWS:
+        features = dataclasses.replace(MOE_FEATURES, ep_overlap="batch" if run.a2a_overlap else "none")
+        profile = PROFILES[run.device]
+        source = dataclasses.replace(BRIDGE_MOE_SOURCE, profile=profile, features=features)
+        dp, moe_tp = run.gpus // (run.tp * run.pp), "ep" if run.tp > 1 else "split"
+        layout = Layout(
+            run.tp, run.pp, dp, run.chunks, run.micro, 1, "none", run.tp > 1, ep=run.ep, moe_tp=moe_tp
+        )
+        label, job = f"{run.name} on {profile.name} {layout.describe()}", (run.model, 4096, run.batch)
+        rows.append(
+            published(
+                source,
+                label,
+                job,
+                layout,
+                causal_model_flops,
+                tokens_per_s_per_gpu=run.tokens_per_s,
+                fp8=run.fp8,
+                grad_bytes=2,
+            )
+        )
+    return rows
+
+
+BRIDGE_MOE_SOURCE = dataclasses.replace(
+    BRIDGE,
+    name=BRIDGE_MOE,
+    where="NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at v0.2.2, '25.11 NeMo Container', "
+    "its Qwen3 rows (DGX-H100, DGX-B200, DGX-GB200); scripts/performance/configs/qwen3 at that tag",
+    convention="6 x the parameters a token uses + causal attention at half the square (NVIDIA's model "
+    "TFLOP/s), % of the device's bfloat16 peak",
+    assumed="as for its Llama rows; the table's float8 (FP8-CS on H100, block-scaled FP8-MX on B200 and "
+    "GB200's 30B) for the attention's linear layers only, the experts' GEMMs in bfloat16 as the planner "
+    "prices every MoE layer (Transformer Engine runs them in float8); routing forced even "
+    "(moe_router_force_load_balancing), dropless; experts over the tp ranks too where TP > 1 "
+    "(expert_tensor_parallel_size 1); Transformer Engine's fused cross entropy (bfloat16 logits); "
+    "moe_a2a_overlap as each all-to-all beside another micro-batch's block; CUDA graphs and the "
+    "dispatcher backends not priced",
+)
+
+
 # Each table by name, and how its rows are made (`megascale.plan.holdout.HOLDOUT_TABLES`).
 NVIDIA_TABLES = {
     NEMO_FP8_H100: nemo_rows,
     NEMO_LONG_H100: nemo_long_rows,
     BRIDGE_H100: lambda: bridge_rows(("h100",)),
     BRIDGE_BLACKWELL: lambda: bridge_rows(("b200", "gb200")),
+    BRIDGE_MOE: bridge_moe_rows,
 }

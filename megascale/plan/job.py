@@ -209,7 +209,8 @@ class Features:
     # to the next rank while the step's attention blocks compute (megascale's parallel.overlap.cp).
     cp_overlap: bool = False
     # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
-    # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep).
+    # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep); or
+    # "batch", behind another micro-batch's block (Megatron-Core's overlap_moe_expert_parallel_comm).
     ep_overlap: str = "none"
     # The ways the system lays an MoE layer over the tp ranks (Layout.moe_tp): Megatron-LM splits each
     # expert; MegaScale-MoE makes the tp ranks the expert-parallel group, with sequence-parallel attention
@@ -217,6 +218,10 @@ class Features:
     # with its own attention (heads split, Megatron's TP + SP).
     moe_tp: tuple[str, ...] = ("split",)
     moe_attention: str = "sp"
+    # Whether the router's weights scale each token slot inside its expert's activation, so the layer
+    # keeps no expert output for the backward (Megatron-Core since April 2025, commit 2659630721:
+    # weighted_bias_swiglu_impl in moe/experts.py), or multiply the experts' outputs (megascale's layer).
+    moe_weighted_activation: bool = False
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
     zero_stages: tuple[int, ...] = (2, 3)  # what the system's data parallelism can shard (searched)
     model_parallel: bool = True  # whether the system splits the model (TP, PP); FSDP-only ones do not

@@ -166,12 +166,13 @@ def activation_bytes_per_block(
     materialized_scores: bool = False,
     fused_swiglu: bool = True,
     float8_inputs: bool = False,
+    weighted_activation: bool = False,
 ) -> float:
     """Activations one block keeps for its backward, per micro-batch, on one device
     (`block_bytes_per_token`); with `moe`, a block whose MLP is a mixture-of-experts layer
-    (`megascale.plan.experts`); with `materialized_scores`, attention without a FlashAttention kernel,
-    which keeps its softmax's output (and with dropout the mask and the dropped-out scores: Korthikanti
-    et al.'s 5as/h)."""
+    (`megascale.plan.experts`, `weighted_activation` as in `moe_activation_bytes`); with
+    `materialized_scores`, attention without a FlashAttention kernel, which keeps its softmax's output
+    (and with dropout the mask and the dropped-out scores: Korthikanti et al.'s 5as/h)."""
     s, b, t = layout.local_seq_len(job), layout.micro_batch, layout.tp
     scale = job.precision.activation_bytes / 2  # the counts are of 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
@@ -182,7 +183,7 @@ def activation_bytes_per_block(
             return block_input
         whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
         whole_bytes = activation_bytes_per_block(
-            job, whole, moe, materialized_scores, fused_swiglu, float8_inputs
+            job, whole, moe, materialized_scores, fused_swiglu, float8_inputs, weighted_activation
         )
         return share * block_input + (1 - share) * whole_bytes
     if layout.recompute == "op":
@@ -197,7 +198,7 @@ def activation_bytes_per_block(
     dense = s * b * per_token * scale
     if materialized_scores and layout.recompute == "none":
         dense += (5 if job.dropout else 2) * job.model.attention.n_heads * s * job.seq_len * b / t * scale
-    return dense + moe_activation_bytes(job, layout) if moe else dense
+    return dense + moe_activation_bytes(job, layout, weighted_activation) if moe else dense
 
 
 def trainer_block_bytes(job: Job, layout: Layout, on_cpu: bool = False) -> float:
@@ -261,6 +262,7 @@ def memory_per_device(
     logit_bytes: int = 8,
     fused_swiglu: bool = True,
     float8_inputs: bool = False,
+    weighted_activation: bool = False,
 ) -> Memory:
     """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
     kernel; `own_blocks`: dense blocks counted as megascale's model saves them, `trainer_block_bytes`;
@@ -268,7 +270,7 @@ def memory_per_device(
     `grads_as_made`: gradients allocated as the backward makes them, by autograd and FSDP, rather than in
     a buffer held through the step, as Megatron-LM's and DeepSpeed's contiguous gradient buffers are;
     `logit_bytes`: what the loss keeps per logit, `Features.loss_bytes_per_logit`; `fused_swiglu` and
-    `float8_inputs`: see `block_bytes_per_token`)."""
+    `float8_inputs`: see `block_bytes_per_token`; `weighted_activation`: see `moe_activation_bytes`)."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -292,7 +294,7 @@ def memory_per_device(
         )
     per_micro_batch = (blocks - moe_blocks) * dense
     per_micro_batch += moe_blocks * activation_bytes_per_block(
-        job, layout, True, materialized_scores, fused_swiglu, float8_inputs
+        job, layout, True, materialized_scores, fused_swiglu, float8_inputs, weighted_activation
     )
     in_flight = micro_batches_in_flight(job, layout)
     held_blocks = blocks * in_flight
@@ -306,7 +308,7 @@ def memory_per_device(
             working = trainer_block_bytes(job, whole, on_cpu)
         else:
             working = activation_bytes_per_block(
-                job, whole, moe, materialized_scores, fused_swiglu, float8_inputs
+                job, whole, moe, materialized_scores, fused_swiglu, float8_inputs, weighted_activation
             )
     tokens = layout.micro_batch * layout.local_seq_len(job)
     logits = logit_bytes * tokens * job.model.vocab_size / layout.tp

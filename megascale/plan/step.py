@@ -117,7 +117,7 @@ def estimate_step(
         lambda block, moe: _tp_exposed_seconds(job, layout, profile, features, block, moe)
     )
     ep_exposed_s = per_micro_batch(
-        lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap) if moe else 0.0
+        lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap, block.total_s) if moe else 0.0
     )
     cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # every block's attention
     pp_exposed_s = _pp_seconds(job, layout, profile, features)
@@ -162,6 +162,7 @@ def estimate_step(
         logit_bytes=features.loss_bytes_per_logit,
         fused_swiglu=features.elementwise != "eager",
         float8_inputs=features.float8_keeps_inputs,
+        weighted_activation=features.moe_weighted_activation,
     )
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m

@@ -19,6 +19,7 @@ from megascale.plan.experts import (
     expected_max_of_normals,
     exposed_all_to_all_seconds,
     layout_problem,
+    moe_activation_bytes,
     moe_work,
 )
 from megascale.plan.hardware import PROFILES
@@ -55,6 +56,23 @@ def test_expert_memory_divides_by_the_expert_parallel_group():
     spread = memory_per_device(JOB, Layout(tp=1, pp=15, dp=16, ep=8, moe_tp="whole", recompute="full"))
     whole = memory_per_device(JOB, Layout(tp=1, pp=15, dp=16, ep=1, moe_tp="whole", recompute="full"))
     assert spread.weights_bytes < whole.weights_bytes / 4
+
+
+def test_weights_applied_in_the_experts_activation_keep_no_expert_output():
+    """Megatron-Core scales each slot by its router weight inside the SwiGLU, so the combine's backward
+    needs no expert output: h fewer elements kept a routed slot, by hand (4 experts of 8 on ep 8, 1,024
+    tokens of the tp 8 group's 8,192 each, top-3)."""
+    layout = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp", recompute="selective")
+    slots = 8192 / 8 * 3
+    multiplied = moe_activation_bytes(JOB, layout)
+    assert multiplied == 2 * (slots * (2 * H + 3 * F) + 1024 * (3 * F + H))  # with the shared expert
+    assert moe_activation_bytes(JOB, layout, weighted_activation=True) == multiplied - 2 * slots * H
+    features = Features(moe_tp=("ep",), moe_weighted_activation=True)
+    weighted = estimate_step(JOB, layout, features, H800, Cluster(240)).memory.activations_bytes
+    assert (
+        weighted
+        < estimate_step(JOB, layout, Features(moe_tp=("ep",)), H800, Cluster(240)).memory.activations_bytes
+    )
 
 
 def test_an_all_to_all_sends_each_peer_its_share_over_the_link_it_reaches_it_by():
@@ -102,11 +120,21 @@ def test_the_overlap_hides_all_but_the_first_chunk_while_the_experts_last():
     long_experts = MoEWork(
         gemm_s=10.0, expert_gemm_s=9.0, other_ops_s=0.0, all_to_all_s=1.0, forward_all_to_all_s=0.5
     )
-    assert exposed_all_to_all_seconds(long_experts, "none") == 1.0
-    assert exposed_all_to_all_seconds(long_experts, "both") == pytest.approx(0.25)
-    assert exposed_all_to_all_seconds(long_experts, "forward") == pytest.approx(0.5 + 0.5 / 4)
+    assert exposed_all_to_all_seconds(long_experts, "none", 12.0) == 1.0
+    assert exposed_all_to_all_seconds(long_experts, "both", 12.0) == pytest.approx(0.25)
+    assert exposed_all_to_all_seconds(long_experts, "forward", 12.0) == pytest.approx(0.5 + 0.5 / 4)
     short_experts = dataclasses.replace(long_experts, expert_gemm_s=0.5)
-    assert exposed_all_to_all_seconds(short_experts, "both") == pytest.approx(0.25 + 0.5)
+    assert exposed_all_to_all_seconds(short_experts, "both", 12.0) == pytest.approx(0.25 + 0.5)
+
+
+def test_exchanges_beside_another_micro_batch_hide_behind_its_whole_block():
+    """Megatron-Core's combined 1F1B: the forward's dispatch and combine run beside the other
+    micro-batch's backward of the block (two thirds of its compute), the backward's beside its forward
+    (a third); no chunk is exposed, and the experts' GEMMs alone do not bound what hides."""
+    work = MoEWork(gemm_s=1.0, expert_gemm_s=0.5, other_ops_s=0.0, all_to_all_s=4.0, forward_all_to_all_s=2.0)
+    assert exposed_all_to_all_seconds(work, "batch", 6.0) == 0.0
+    assert exposed_all_to_all_seconds(work, "batch", 2.4) == pytest.approx((2.0 - 1.6) + (2.0 - 0.8))
+    assert exposed_all_to_all_seconds(work, "batch", 2.4) < exposed_all_to_all_seconds(work, "both", 2.4)
 
 
 @pytest.mark.parametrize(

@@ -139,6 +139,36 @@ def test_megatron_bridges_rows_run_their_tables_layouts_on_their_own_devices():
     assert row_405b.mfu * 989 == pytest.approx(737, rel=0.05)
 
 
+def test_megatron_bridges_qwen3_rows_run_their_tables_moe_layouts():
+    """Megatron-Bridge's 25.11 Qwen3 rows: each on its device with its published TP, PP, virtual stages
+    and EP (the experts over the tp ranks too where TP > 1: expert_tensor_parallel_size 1), no
+    recomputation, routing forced even (a capacity of 1: each expert its mean), the all-to-alls beside
+    another micro-batch where the config sets moe_a2a_overlap; tokens/s times NVIDIA's FLOP count
+    (6 x the active parameters, causal attention halved) gives the table's model TFLOP/s within 1%."""
+    rows = holdout.holdout_rows(holdout_nvidia.BRIDGE_MOE)
+    published_tflops = [121, 233, 214, 484, 547, 728]
+    assert len(rows) == len(published_tflops)
+    for row, tflops in zip(rows, published_tflops, strict=True):
+        tokens_per_s = row.job.tokens_per_step / row.step_s / row.gpus
+        assert tokens_per_s * holdout_nvidia.causal_model_flops(row.job.model, 4096) / 1e12 == pytest.approx(
+            tflops, rel=0.01
+        )
+        assert row.job.model.moe.capacity_factor == 1.0 and row.layout.recompute == "none"
+        assert row.source.features.moe_weighted_activation and row.job.precision.grad_bytes == 2
+    h100_235b = rows[1]
+    assert (h100_235b.layout.tp, h100_235b.layout.pp, h100_235b.layout.virtual_stages) == (2, 8, 4)
+    assert (h100_235b.layout.ep, h100_235b.layout.moe_tp, h100_235b.layout.dp) == (32, "ep", 16)
+    assert [row.source.features.ep_overlap for row in rows] == [
+        "batch",
+        "batch",
+        "none",
+        "batch",
+        "none",
+        "none",
+    ]
+    assert [row.job.fp8 for row in rows] == [True] * 5 + [False]  # GB200's 235B ran in bfloat16
+
+
 def test_a_run_the_memory_model_finds_no_room_for_is_not_counted_as_agreeing():
     """llm-foundry ran MPT-30b at 8,192 on 8 H100s; the search, allowing 90% of the device, finds no
     layout that fits, so the row cannot agree (and does not raise)."""
@@ -162,7 +192,8 @@ def test_the_memory_model_finds_room_for_nearly_every_published_layout():
     82-86 GB on 80 GB devices, and NeMo's GPT-3 runs, whose launcher configs reduce gradients in bfloat16,
     at 84-85 GB with float32 ones. Two are left: Llama 3's own pipeline schedule and recomputation, which
     its paper does not state, NeMo's Llama 3 8B at 80.3 GB (82.8 with its float8 layers' inputs counted
-    in bfloat16), and Megatron-Bridge's 405B on GB200s at 196 GB of 186."""
+    in bfloat16), Megatron-Bridge's 405B on GB200s at 196 GB of 186, and its Qwen3 235B on B200s at 183
+    GB of 180 (its experts' GEMMs, priced in bfloat16, ran in float8 and kept their inputs so)."""
     from megascale.plan.validation import validation_rows
 
     rows = validation_rows()
@@ -172,6 +203,7 @@ def test_the_memory_model_finds_room_for_nearly_every_published_layout():
         "405B tp8 pp16 dp64 on 8,192",
         "Llama 3 8B tp1 pp1 dp4 cp2 mb1 zero1 recompute=selective",
         "Llama 3.1 405B on GB200-NVL72 tp4 pp16 v4 dp4 mb1 zero1 recompute=selective",
+        "Qwen3 235B-A22B on B200-SXM-180GB tp1 pp8 v2 dp8 ep8 mb1 zero1 recompute=none",
     }
     nemo = holdout.holdout_rows(holdout_nvidia.NEMO_FP8_H100)
     llama3_8b = next(row for row in nemo if row.label.startswith("Llama 3 8B"))
