@@ -126,6 +126,8 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
         return f"recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTES)}"
     if layout.recompute_blocks and (layout.recompute != "full" or layout.offload or is_moe(model)):
         return "recompute_blocks counts the dense blocks of a chunk that recompute 'full', without offload"
+    if layout.offload_blocks and not layout.offload:
+        return "offload_blocks counts the blocks of a chunk that offload: it needs offload"
     if layout.recompute == "op" and (is_moe(model) or layout.attention == "sp"):
         return "recompute 'op' (torchtitan's selective op checkpointing) is modelled for dense blocks only"
     if layout.moe_tp not in ("split", "whole", "ep"):

@@ -18,12 +18,12 @@ Megatron-Bridge's table of the NeMo 25.11 container (NVIDIA-NeMo/Megatron-Bridge
 at v0.2.2): Llama 3 8B and 70B and Llama 3.1 405B in float8 with current scaling (FP8-CS) on DGX-H100,
 DGX-B200 and DGX-GB200, priced as the 24.07 table's rows are, on the datasheet profiles; Blackwell's
 kernels at the fractions of peak measured on Hopper (`megascale.plan.hardware`: there is no Blackwell
-measurement here); H100's 8B with Megatron's FSDP, recomputing 5 of its 32 blocks
-(scripts/performance/configs/llama3 at v0.2.2). Left out: GB200's 70B, which offloads the activations of
-40 of its 80 blocks (a `Layout` offloads all or none), the GB300 rows (no profile), and the block-scaled
-float8 figures in the table's parentheses. Its Qwen3 mixture-of-experts rows (scripts/performance/configs/
-qwen3) are a table of their own; its DeepSeek-V3 (latent attention) and GPT-OSS (attention sinks) rows are
-left out, their attention not being one the planner prices.
+measurement here); H100's 8B with Megatron's FSDP, recomputing 5 of its 32 blocks, and GB200's 70B with
+it, offloading the activations of 40 of its 80 blocks (scripts/performance/configs/llama3 at v0.2.2).
+Left out: the GB300 rows (no profile) and the block-scaled float8 figures in the table's parentheses. Its
+Qwen3 mixture-of-experts rows (scripts/performance/configs/qwen3) are a table of their own; its
+DeepSeek-V3 (latent attention) and GPT-OSS (attention sinks) rows are left out, their attention not
+being one the planner prices.
 """
 
 from __future__ import annotations
@@ -162,48 +162,67 @@ BRIDGE = dataclasses.replace(
     "the datasheet profiles (B200 at 1,000 W, GB200 at 1,200 W, 72 GPUs in one NVLink "
     "domain); CUDA graphs not priced (a GPU's launches cost nothing here)",
 )
-# (device, model, GPUs, global batch, micro-batch, TP, PP, CP, virtual stages, FSDP (ZeRO-3), blocks of a
-# chunk recomputed whole (0: none), tokens/s per GPU)
+
+
+class BridgeRun(NamedTuple):
+    """One Llama row of Megatron-Bridge's 25.11 table: `chunks` its virtual stages, `fsdp` Megatron's FSDP
+    (ZeRO-3), `recomputed` and `offloaded` the blocks of a chunk its config recomputes whole or whose
+    activations it offloads (0: none)."""
+
+    device: str
+    name: str
+    model: ModelConfig
+    gpus: int
+    batch: int
+    micro: int
+    tp: int
+    pp: int
+    cp: int
+    chunks: int
+    fsdp: bool
+    recomputed: int
+    offloaded: int
+    tokens_per_s: float  # per GPU, as published
+
+
 BRIDGE_ROWS = [
-    ("h100", "Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, True, 5, 14451),
-    ("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 1, 5, False, 0, 1602),
-    ("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 2, 8, False, 0, 292),
-    ("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 30624),
-    ("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 2, 8, False, 0, 661),
-    ("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 31508),
-    ("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 1, 4, False, 0, 813),
+    BridgeRun("h100", "Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, True, 5, 0, 14451),
+    BridgeRun("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 1, 5, False, 0, 0, 1602),
+    BridgeRun("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 2, 8, False, 0, 0, 292),
+    BridgeRun("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 0, 30624),
+    BridgeRun("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 2, 8, False, 0, 0, 661),
+    BridgeRun("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 0, 31508),
+    BridgeRun("gb200", "Llama 3 70B", LLAMA3_70B, 64, 256, 2, 1, 1, 1, 1, True, 0, 40, 4312),
+    BridgeRun("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 1, 4, False, 0, 0, 813),
 ]
 
 
 def bridge_rows(devices: tuple[str, ...]) -> list[Published]:
     rows = []
-    for (
-        device,
-        name,
-        model,
-        gpus,
-        batch,
-        micro,
-        tp,
-        pp,
-        cp,
-        chunks,
-        fsdp,
-        recomputed,
-        tokens_per_s,
-    ) in BRIDGE_ROWS:
-        if device not in devices:
+    for run in BRIDGE_ROWS:
+        if run.device not in devices:
             continue
-        profile = PROFILES[device]
-        table = BRIDGE_H100 if device == "h100" else BRIDGE_BLACKWELL
+        profile = PROFILES[run.device]
+        table = BRIDGE_H100 if run.device == "h100" else BRIDGE_BLACKWELL
         source = dataclasses.replace(BRIDGE, name=table, profile=profile)
-        recompute = "full" if recomputed else "selective"
-        dp, zero = gpus // (tp * pp * cp), 3 if fsdp else 1
+        dp = run.gpus // (run.tp * run.pp * run.cp)
         layout = Layout(
-            tp, pp, dp, chunks, micro, zero, recompute, tp > 1, cp=cp, recompute_blocks=recomputed
+            run.tp,
+            run.pp,
+            dp,
+            run.chunks,
+            run.micro,
+            3 if run.fsdp else 1,
+            "full" if run.recomputed else "selective",
+            run.tp > 1,
+            cp=run.cp,
+            offload=bool(run.offloaded),
+            recompute_blocks=run.recomputed,
+            offload_blocks=run.offloaded,
         )
-        label, job = f"{name} on {profile.name} {layout.describe()}", (model, model.max_seq_len, batch)
-        rows.append(float8_row(source, label, job, layout, tokens_per_s_per_gpu=tokens_per_s, grad_bytes=2))
+        label, job = f"{run.name} on {profile.name} {layout.describe()}", (run.model, 8192, run.batch)
+        figures = {"tokens_per_s_per_gpu": run.tokens_per_s}
+        rows.append(float8_row(source, label, job, layout, grad_bytes=2, **figures))
     return rows
 
 

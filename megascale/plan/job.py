@@ -130,6 +130,9 @@ class Layout:
     # With recompute "full": how many blocks of each model chunk recompute, the first ones, the rest
     # keeping all they make (Megatron-LM's --recompute-method block --recompute-num-layers); 0: every block.
     recompute_blocks: int = 0
+    # With offload: how many blocks of each model chunk offload, the first ones (Megatron-Core's
+    # --cpu-offloading-num-layers); 0: every block but the chunk's last (megascale's).
+    offload_blocks: int = 0
 
     @property
     def devices(self) -> int:
@@ -176,6 +179,7 @@ class Layout:
             + (f"({self.recompute_blocks} a chunk)" if self.recompute_blocks else "")
             + (" split=params" if self.pp > 1 and self.stage_split == "params" else "")
             + (" offload" if self.offload else "")
+            + (f"({self.offload_blocks} a chunk)" if self.offload_blocks else "")
         )
 
 

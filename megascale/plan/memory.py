@@ -357,7 +357,10 @@ def offload_held_blocks(layout: Layout, blocks: float, in_flight: float, fetch_a
     """Blocks' worth of activations a device holds at its peak under activation offload
     (`megascale.parallel.offload`): the last block of each of its chunks keeps its own, for each
     micro-batch in flight, and a block's forward or backward holds that block's; on an accelerator the
-    backward also holds the block fetched ahead of the one it is in."""
+    backward also holds the block fetched ahead of the one it is in. Where only the first
+    `offload_blocks` of each chunk offload, the rest keep theirs."""
     kept = in_flight * layout.virtual_stages
+    if layout.offload_blocks:
+        kept = in_flight * max(layout.virtual_stages, blocks - layout.offload_blocks * layout.virtual_stages)
     ahead = 1 if fetch_ahead and blocks > 2 * layout.virtual_stages else 0
     return min(blocks * in_flight, kept + ahead)

@@ -132,6 +132,8 @@ def test_megatron_bridges_rows_run_their_tables_layouts_on_their_own_devices():
         "full",
         5,
     )
+    row_70b = next(row for row in blackwell if "70B" in row.label)  # Megatron's FSDP, 40 of 80 offloaded
+    assert (row_70b.layout.zero_stage, row_70b.layout.offload, row_70b.layout.offload_blocks) == (3, True, 40)
     row_405b = next(row for row in h100 if "405B" in row.label)
     assert (row_405b.layout.tp, row_405b.layout.pp, row_405b.layout.cp, row_405b.gpus) == (8, 8, 2, 1024)
     assert row_405b.layout.virtual_stages == 8 and row_405b.job.model.n_layers == 126
@@ -192,8 +194,9 @@ def test_the_memory_model_finds_room_for_nearly_every_published_layout():
     82-86 GB on 80 GB devices, and NeMo's GPT-3 runs, whose launcher configs reduce gradients in bfloat16,
     at 84-85 GB with float32 ones. Two are left: Llama 3's own pipeline schedule and recomputation, which
     its paper does not state, NeMo's Llama 3 8B at 80.3 GB (82.8 with its float8 layers' inputs counted
-    in bfloat16), Megatron-Bridge's 405B on GB200s at 196 GB of 186, and its Qwen3 235B on B200s at 183
-    GB of 180 (its experts' GEMMs, priced in bfloat16, ran in float8 and kept their inputs so)."""
+    in bfloat16), Megatron-Bridge's 405B and 70B on GB200s at 196 and 194 GB of 186, and its Qwen3 235B
+    on B200s at 183 GB of 180 (its experts' GEMMs, priced in bfloat16, ran in float8 and kept their
+    inputs so)."""
     from megascale.plan.validation import validation_rows
 
     rows = validation_rows()
@@ -203,6 +206,7 @@ def test_the_memory_model_finds_room_for_nearly_every_published_layout():
         "405B tp8 pp16 dp64 on 8,192",
         "Llama 3 8B tp1 pp1 dp4 cp2 mb1 zero1 recompute=selective",
         "Llama 3.1 405B on GB200-NVL72 tp4 pp16 v4 dp4 mb1 zero1 recompute=selective",
+        "Llama 3 70B on GB200-NVL72 tp1 pp1 dp64 mb2 zero3 recompute=selective offload(40 a chunk)",
         "Qwen3 235B-A22B on B200-SXM-180GB tp1 pp8 v2 dp8 ep8 mb1 zero1 recompute=none",
     }
     nemo = holdout.holdout_rows(holdout_nvidia.NEMO_FP8_H100)

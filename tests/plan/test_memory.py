@@ -232,6 +232,25 @@ def test_offload_leaves_the_blocks_each_micro_batch_in_flight_keeps():
     assert offload_held_blocks(Layout(), blocks=2, in_flight=1, fetch_ahead=True) == 1  # nothing to fetch
 
 
+def test_offloading_some_blocks_of_each_chunk_keeps_the_rest():
+    """Megatron-Core's --cpu-offloading-num-layers: the first k blocks of each chunk offload and the
+    others keep their activations, beside the block fetched ahead; offload_blocks needs offload."""
+    from megascale.plan.experts import layout_problem
+    from megascale.plan.memory import offload_held_blocks
+
+    job = dataclasses.replace(JOB, model=tiny_model_config(n_layers=8), global_batch=16)
+    logits = 2 * 4 * 32 * 96
+    block = activation_bytes_per_block(job, Layout())
+    half = memory_per_device(job, Layout(offload=True, offload_blocks=4)).activations_bytes
+    assert half == pytest.approx((4 + 1) * block + logits)  # blocks 4-7 kept, one fetched ahead
+    held = offload_held_blocks(
+        Layout(virtual_stages=2, offload_blocks=3), blocks=8, in_flight=2, fetch_ahead=True
+    )
+    assert held == 2 * (8 - 3 * 2) + 1
+    assert "needs offload" in layout_problem(job, Layout(offload_blocks=4))
+    assert Layout(offload=True, offload_blocks=4).describe().endswith("offload(4 a chunk)")
+
+
 def test_full_recomputation_holds_every_blocks_input_and_the_recomputed_block_whole():
     """Under full recomputation a block keeps only its input, but the block in its backward recomputes
     its forward and holds all of that until its gradients are done: the offload benchmark's full-
