@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from megascale.config import AttentionConfig, ModelConfig, MoEConfig
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig, head_dim_of
 from megascale.models.flops import flops_per_token, num_params
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
@@ -221,8 +221,9 @@ def bridge_rows(devices: tuple[str, ...]) -> list[Published]:
             offload_blocks=run.offloaded,
         )
         label, job = f"{run.name} on {profile.name} {layout.describe()}", (run.model, 8192, run.batch)
-        figures = {"tokens_per_s_per_gpu": run.tokens_per_s}
-        rows.append(float8_row(source, label, job, layout, grad_bytes=2, **figures))
+        rows.append(
+            float8_row(source, label, job, layout, tokens_per_s_per_gpu=run.tokens_per_s, grad_bytes=2)
+        )
     return rows
 
 
@@ -244,8 +245,8 @@ def qwen3_moe(dim: int, layers: int, heads: int, expert_dim: int) -> ModelConfig
 def causal_model_flops(model: ModelConfig, seq_len: int) -> float:
     """NVIDIA's model FLOPs a token: 6 x the parameters a token uses (the output layer's too), and causal
     attention at half the square (what its tokens/s and TFLOP/s columns imply, within 1%)."""
-    head_dim = model.attention.head_dim or model.dim // model.attention.n_heads
-    return flops_per_token(model, seq_len) - 6 * model.n_layers * model.attention.n_heads * head_dim * seq_len
+    attention = 6 * model.n_layers * model.attention.n_heads * head_dim_of(model) * seq_len
+    return flops_per_token(model, seq_len) - attention
 
 
 BRIDGE_MOE = "Megatron-Bridge 25.11, Qwen3 MoE"
