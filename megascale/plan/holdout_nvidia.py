@@ -165,9 +165,11 @@ BRIDGE = dataclasses.replace(
 
 
 class BridgeRun(NamedTuple):
-    """One Llama row of Megatron-Bridge's 25.11 table: `chunks` its virtual stages, `fsdp` Megatron's FSDP
-    (ZeRO-3), `recomputed` and `offloaded` the blocks of a chunk its config recomputes whole or whose
-    activations it offloads (0: none)."""
+    """One row of Megatron-Bridge's 25.11 table and what its config sets: `chunks` its virtual stages; for
+    a Llama row `fsdp` (Megatron's FSDP, ZeRO-3) and the blocks of a chunk it recomputes whole or whose
+    activations it offloads (0: none); for a Qwen3 row its expert-parallel ranks, whether its linear
+    layers ran in float8, and `a2a_overlap`, its moe_a2a_overlap (each micro-batch's all-to-alls beside
+    another's block)."""
 
     device: str
     name: str
@@ -177,23 +179,26 @@ class BridgeRun(NamedTuple):
     micro: int
     tp: int
     pp: int
-    cp: int
     chunks: int
-    fsdp: bool
-    recomputed: int
-    offloaded: int
     tokens_per_s: float  # per GPU, as published
+    cp: int = 1
+    fsdp: bool = False
+    recomputed: int = 0
+    offloaded: int = 0
+    ep: int = 1
+    fp8: bool = True
+    a2a_overlap: bool = False
 
 
 BRIDGE_ROWS = [
-    BridgeRun("h100", "Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, True, 5, 0, 14451),
-    BridgeRun("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 1, 5, False, 0, 0, 1602),
-    BridgeRun("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 2, 8, False, 0, 0, 292),
-    BridgeRun("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 0, 30624),
-    BridgeRun("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 2, 8, False, 0, 0, 661),
-    BridgeRun("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 1, False, 0, 0, 31508),
-    BridgeRun("gb200", "Llama 3 70B", LLAMA3_70B, 64, 256, 2, 1, 1, 1, 1, True, 0, 40, 4312),
-    BridgeRun("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 1, 4, False, 0, 0, 813),
+    BridgeRun("h100", "Llama 3 8B", LLAMA3_8B, 8, 128, 1, 1, 1, 1, 14451, fsdp=True, recomputed=5),
+    BridgeRun("h100", "Llama 3 70B", LLAMA3_70B, 64, 128, 1, 4, 8, 5, 1602),
+    BridgeRun("h100", "Llama 3.1 405B", LLAMA3_405B, 1024, 512, 1, 8, 8, 8, 292, cp=2),
+    BridgeRun("b200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 30624),
+    BridgeRun("b200", "Llama 3.1 405B", LLAMA3_405B, 128, 64, 1, 4, 8, 8, 661, cp=2),
+    BridgeRun("gb200", "Llama 3 8B", LLAMA3_8B, 8, 128, 2, 1, 1, 1, 31508),
+    BridgeRun("gb200", "Llama 3 70B", LLAMA3_70B, 64, 256, 2, 1, 1, 1, 4312, fsdp=True, offloaded=40),
+    BridgeRun("gb200", "Llama 3.1 405B", LLAMA3_405B, 256, 1536, 1, 4, 16, 4, 813),
 ]
 
 
@@ -254,32 +259,15 @@ QWEN3_30B_A3B = qwen3_moe(2048, 48, 32, 768)
 QWEN3_235B_A22B = qwen3_moe(4096, 94, 64, 1536)
 
 
-class BridgeMoERun(NamedTuple):
-    """One Qwen3 row of Megatron-Bridge's 25.11 table; `chunks` are its virtual stages, `a2a_overlap` its
-    config's moe_a2a_overlap (each micro-batch's all-to-alls beside another's block)."""
-
-    device: str
-    name: str
-    model: ModelConfig
-    gpus: int
-    batch: int
-    micro: int
-    tp: int
-    pp: int
-    chunks: int
-    ep: int
-    fp8: bool
-    a2a_overlap: bool
-    tokens_per_s: float  # per GPU, as published
-
-
 BRIDGE_MOE_ROWS = [
-    BridgeMoERun("h100", "Qwen3 30B-A3B", QWEN3_30B_A3B, 16, 512, 2, 1, 2, 24, 8, True, True, 5275),
-    BridgeMoERun("h100", "Qwen3 235B-A22B", QWEN3_235B_A22B, 256, 2048, 1, 2, 8, 4, 32, True, True, 1575),
-    BridgeMoERun("b200", "Qwen3 30B-A3B", QWEN3_30B_A3B, 8, 512, 1, 1, 1, 1, 8, True, False, 9299),
-    BridgeMoERun("b200", "Qwen3 235B-A22B", QWEN3_235B_A22B, 64, 1024, 1, 1, 8, 2, 8, True, True, 3269),
-    BridgeMoERun("gb200", "Qwen3 30B-A3B", QWEN3_30B_A3B, 8, 512, 4, 1, 1, 1, 8, True, False, 23766),
-    BridgeMoERun("gb200", "Qwen3 235B-A22B", QWEN3_235B_A22B, 256, 8192, 1, 1, 8, 3, 32, False, False, 4916),
+    BridgeRun("h100", "Qwen3 30B-A3B", QWEN3_30B_A3B, 16, 512, 2, 1, 2, 24, 5275, ep=8, a2a_overlap=True),
+    BridgeRun(
+        "h100", "Qwen3 235B-A22B", QWEN3_235B_A22B, 256, 2048, 1, 2, 8, 4, 1575, ep=32, a2a_overlap=True
+    ),
+    BridgeRun("b200", "Qwen3 30B-A3B", QWEN3_30B_A3B, 8, 512, 1, 1, 1, 1, 9299, ep=8),
+    BridgeRun("b200", "Qwen3 235B-A22B", QWEN3_235B_A22B, 64, 1024, 1, 1, 8, 2, 3269, ep=8, a2a_overlap=True),
+    BridgeRun("gb200", "Qwen3 30B-A3B", QWEN3_30B_A3B, 8, 512, 4, 1, 1, 1, 23766, ep=8),
+    BridgeRun("gb200", "Qwen3 235B-A22B", QWEN3_235B_A22B, 256, 8192, 1, 1, 8, 3, 4916, ep=32, fp8=False),
 ]
 MOE_FEATURES = dataclasses.replace(
     BRIDGE.features,
