@@ -16,8 +16,8 @@ What each overlap of paper §3.2 hides:
   backward still runs two collectives of each pair beside its gradient GEMMs (`tp_backward_overlap`).
 - CP: the ring's keys and values (and their gradients) sent while each ring step's attention blocks
   compute hide as far as the blocks last (`megascale.plan.context`).
-- PP: decoupled, asynchronous sends and receives leave no transfer on the critical path in the steady
-  phase; without them every transfer of a micro-batch is waited for.
+- PP: decoupled, asynchronous sends and receives leave only the transfers on the schedule's critical
+  path exposed (`_overlapped_pp_seconds`); without them every transfer of a micro-batch is waited for.
 - DP: per-chunk all-gathers before each chunk's forward and reduce-scatters after its backward leave only
   the last chunk's reduce-scatter, 1/(2v) of the traffic, exposed (the first all-gather overlaps data
   loading) -- as long as the compute is long enough to cover the rest; without a pipeline, block by
@@ -120,11 +120,12 @@ def estimate_step(
         lambda block, moe: exposed_all_to_all_seconds(moe, features.ep_overlap, block.total_s) if moe else 0.0
     )
     cp_exposed_s = blocks * exposed_ring_seconds(job, layout, profile, features)  # every block's attention
-    pp_exposed_s = _pp_seconds(job, layout, profile, features)
-    if features.pp_overlap:
-        pp_exposed_s *= _pp_loop_share(layout)
     compute_s = per_micro_batch(lambda block, moe: block.total_s)
-    micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s + pp_exposed_s
+    micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s
+    forward_s = per_micro_batch(lambda block, moe: block.total_s - block.recompute_s) / 3
+    pp_exposed_s = _pp_exposed_seconds(job, layout, profile, features, m, forward_s)
+    if not features.pp_overlap or layout.zero_bubble:  # each micro-batch's turn waits for its transfers
+        micro_batch_s += pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
     dp_exposed_s = _dp_exposed_seconds(job, layout, profile, features, micro_batch_s)
@@ -302,16 +303,51 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
     return 2 * layout.virtual_stages * send_seconds(payload, profile, cross)
 
 
+def _pp_exposed_seconds(
+    job: Job, layout: Layout, profile: HardwareProfile, features: Features, m: int, forward_s: float
+) -> float:
+    """Pipeline transfer seconds on the critical path, per micro-batch: all of them when blocking; with
+    asynchronous sends and receives what 1F1B's order waits for over the step (`_overlapped_pp_seconds`,
+    given a micro-batch's `forward_s` through the stage), or a zero-bubble V schedule's loop share."""
+    transfers_s = _pp_seconds(job, layout, profile, features)
+    if not features.pp_overlap:
+        return transfers_s
+    if layout.zero_bubble:
+        return transfers_s * _pp_loop_share(layout)
+    return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
+
+
 def _pp_loop_share(layout: Layout) -> float:
-    """The share of a micro-batch's pipeline transfers that stays on the critical path when sends and
-    receives are asynchronous (megascale's overlap.pp, MegaScale §3.2): a stage works on other micro-batches
-    while one travels, but 1F1B keeps only about one micro-batch per model chunk in flight, and a
-    micro-batch's forward through the pv chunks and its backward back form a loop of pv computations and
-    2 (pv - 1) transfers which those pv micro-batches go round. Each micro-batch's turn therefore takes its
-    compute plus 2 (pv - 1) / pv transfers: of the 2 v transfers `_pp_seconds` counts per micro-batch (one
-    a chunk, each way), that share. Zero-bubble schedules are counted alike."""
+    """The share of a micro-batch's pipeline transfers a zero-bubble V schedule (ZB-V, DualPipeV) is
+    priced to wait for with asynchronous sends and receives: a micro-batch's way through the pv chunks
+    and back is a loop of pv computations and 2 (pv - 1) transfers, and each micro-batch's turn is taken
+    to wait for 2 (pv - 1)/pv of them, of the 2 v `_pp_seconds` counts. Unlike 1F1B's
+    (`_overlapped_pp_seconds`), these orders have not been replayed with transfers."""
     chunks = layout.pp * layout.virtual_stages
     return (chunks - 1) / chunks / layout.virtual_stages
+
+
+def _overlapped_pp_seconds(layout: Layout, m: int, transfers_s: float, forward_s: float) -> float:
+    """Transfer seconds a step waits for under Megatron's 1F1B schedules (megascale's and torch's run the
+    same orders) when sends and receives are asynchronous, given `transfers_s`, a micro-batch's 2 v
+    transfers through a stage, and `forward_s`, its forward through the stage's chunks.
+
+    Replaying the schedules' orders (each rank's forwards and backwards in turn, each as soon as its
+    input has arrived; tests/plan/test_step.py replays them): without interleaving (v = 1) the 1F1B loop
+    of p stages and 2 (p - 1) transfers, which the p micro-batches in flight go round, keeps 2 (p - 1)/p
+    transfers of each micro-batch's turn exposed, and the fill and drain 2 (p - 2) more. Interleaved, the
+    2 (p - 1 - rank) forwards each rank runs ahead beyond v - 1 rounds give every transfer a chunk's
+    forward of slack, so only one micro-batch's path through the p v chunks and back, 2 (p v - 1)
+    transfers, stays exposed, in the fill and drain. A transfer longer than a chunk's forward delays each
+    chunk's turn after the first of a micro-batch by the excess (the replay's wait within a fifth for
+    transfers up to two chunk forwards long: rare on GPUs, where a chunk computes for milliseconds).
+    Exact when the micro-batches fill whole rounds of p; otherwise within two transfers."""
+    p, v = layout.pp, layout.virtual_stages
+    transfer_s = transfers_s / (2 * v)
+    if v == 1:
+        return transfer_s * (2 * (p - 1) / p * m + 2 * (p - 2))
+    excess_s = max(0.0, transfer_s - forward_s / v)
+    return 2 * (p * v - 1) * transfer_s + m * (v - 1) * excess_s
 
 
 def _bubble_micro_batches(layout: Layout) -> float:

@@ -329,16 +329,106 @@ def test_megatrons_collectives_per_column_row_pair_follow_sequence_parallelism()
     assert pair_collectives(JOB, Layout(recompute="full", sequence_parallel=False)) == 6
 
 
-@pytest.mark.parametrize(("pp", "virtual_stages"), [(8, 1), (8, 6), (2, 1), (2, 2)])
-def test_asynchronous_pipeline_transfers_leave_what_the_1f1b_loop_keeps_exposed(pp, virtual_stages):
-    """Blocking, a micro-batch waits for 2 v transfers (one a chunk, each way); asynchronous, its turn
-    round the loop of pv chunks and 2 (pv - 1) transfers that pv micro-batches share takes 2 (pv - 1)/pv."""
-    layout = dict(pp=pp, virtual_stages=virtual_stages, devices=8 * pp * 4)
-    blocking = estimate(features=dataclasses.replace(MEGASCALE, pp_overlap=False), **layout)
-    overlapped = estimate(features=MEGASCALE, **layout)
-    transfer_s = blocking.terms_s["pp_exposed"] / (2 * virtual_stages)
-    chunks = pp * virtual_stages
-    assert overlapped.terms_s["pp_exposed"] == pytest.approx(2 * (chunks - 1) / chunks * transfer_s)
+def megatron_1f1b_order(pp: int, chunks_per_rank: int, micro_batches: int, rank: int):
+    """Rank `rank`'s actions, ("F" or "B", stage, micro-batch), in Megatron-LM's 1F1B order (its
+    `forward_backward_pipelining_without_interleaving` and `..._with_interleaving`, and torch's Schedule1F1B
+    and ScheduleInterleaved1F1B): warm-up forwards, then a forward and a backward in turn, then the rest
+    of the backwards; interleaved, p micro-batches a round through each of the rank's chunks."""
+    p, v, m = pp, chunks_per_rank, micro_batches
+    if v == 1:
+        warmup = min(p - rank - 1, m)
+    else:
+        warmup = m * v if m == p else min(2 * (p - rank - 1) + (v - 1) * p, m * v)
+
+    def action(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = k % (p * v) // p
+        return kind, rank + p * (v - 1 - chunk if kind == "B" else chunk), k // (p * v) * p + k % p
+
+    order = [action("F", k) for k in range(warmup)]
+    for k in range(m * v - warmup):
+        order += [action("F", warmup + k), action("B", k)]
+    return order + [action("B", k) for k in range(m * v - warmup, m * v)]
+
+
+def replayed_step_s(pp: int, chunks_per_rank: int, micro_batches: int, forward_s: float, transfer_s: float):
+    """The makespan of Megatron-LM's 1F1B order with a chunk's forward taking `forward_s`, its backward
+    twice that, and every transfer between stages `transfer_s` (asynchronous: a rank computes on while
+    one travels): each rank runs its actions in order, each as soon as the rank is free and its input has
+    arrived."""
+    stages = pp * chunks_per_rank
+    orders = [megatron_1f1b_order(pp, chunks_per_rank, micro_batches, rank) for rank in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * pp, [0.0] * pp
+    while any(position[rank] < len(orders[rank]) for rank in range(pp)):
+        progressed = False
+        for rank in range(pp):
+            while position[rank] < len(orders[rank]):
+                kind, stage, micro_batch = orders[rank][position[rank]]
+                if kind == "F":
+                    inputs = [(("F", stage - 1, micro_batch), transfer_s)] if stage else []
+                else:
+                    inputs = [(("F", stage, micro_batch), 0.0)]
+                    if stage < stages - 1:
+                        inputs.append((("B", stage + 1, micro_batch), transfer_s))
+                if any(key not in done for key, _ in inputs):
+                    break
+                start = max([free[rank]] + [done[key] + delay for key, delay in inputs])
+                free[rank] = start + (forward_s if kind == "F" else 2 * forward_s)
+                done[(kind, stage, micro_batch)] = free[rank]
+                position[rank] += 1
+                progressed = True
+        assert progressed, "the order deadlocked"
+    return max(free)
+
+
+@pytest.mark.parametrize(
+    ("pp", "virtual_stages", "micro_batches"),
+    [(8, 1, 16), (4, 1, 48), (2, 1, 12), (8, 1, 12), (8, 6, 16), (4, 3, 12), (4, 2, 4), (2, 2, 12)],
+)
+def test_asynchronous_pipeline_transfers_leave_what_the_replayed_schedule_waits_for(
+    pp, virtual_stages, micro_batches
+):
+    """Blocking, a micro-batch waits for 2 v transfers (one a chunk, each way). Asynchronous, the step
+    waits for what Megatron's 1F1B order, replayed with the estimate's transfer and chunk times, waits
+    for beyond its compute: a share of each micro-batch's transfers without interleaving (exactly when
+    the micro-batches fill whole rounds of pp, within two transfers otherwise), one micro-batch's path
+    there and back with it."""
+    layout = Layout(**{**LAYOUT_175B, "pp": pp, "virtual_stages": virtual_stages, "dp": 2})
+    layout = dataclasses.replace(layout, micro_batch=768 // (2 * micro_batches))
+    cluster = Cluster(layout.devices)
+    blocking = estimate_step(JOB, layout, dataclasses.replace(MEGASCALE, pp_overlap=False), A100, cluster)
+    overlapped = estimate_step(JOB, layout, MEGASCALE, A100, cluster)
+    assert overlapped.micro_batches == micro_batches
+    transfer_s = blocking.terms_s["pp_exposed"] / (micro_batches * 2 * virtual_stages)
+    compute_s = sum(overlapped.terms_s[term] for term in ("gemm", "attention", "elementwise"))
+    forward_s = compute_s / (3 * micro_batches * virtual_stages)  # a chunk's, for one micro-batch
+    assert transfer_s < forward_s
+    waited_s = replayed_step_s(pp, virtual_stages, micro_batches, forward_s, transfer_s) - replayed_step_s(
+        pp, virtual_stages, micro_batches, forward_s, 0.0
+    )
+    whole_rounds = virtual_stages > 1 or micro_batches % pp == 0
+    tolerance = 1e-6 * waited_s if whole_rounds else 2 * transfer_s
+    assert overlapped.terms_s["pp_exposed"] == pytest.approx(waited_s, abs=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("pp", "virtual_stages", "micro_batches"), [(4, 5, 32), (3, 8, 12), (8, 2, 16), (4, 2, 64)]
+)
+def test_a_transfer_longer_than_a_chunks_forward_delays_the_chunks_turns_by_the_excess(
+    pp, virtual_stages, micro_batches
+):
+    """Past a chunk's forward of slack interleaved 1F1B waits in its steady phase too: priced within a
+    fifth of the replayed schedule's wait for transfers up to twice a chunk's forward."""
+    from megascale.plan.step import _overlapped_pp_seconds
+
+    layout, forward_s = Layout(pp=pp, virtual_stages=virtual_stages), 1.0
+    chunk_forward_s = forward_s / virtual_stages
+    for transfer_s in (1.5 * chunk_forward_s, 2 * chunk_forward_s):
+        priced_s = _overlapped_pp_seconds(layout, micro_batches, 2 * virtual_stages * transfer_s, forward_s)
+        waited_s = replayed_step_s(
+            pp, virtual_stages, micro_batches, chunk_forward_s, transfer_s
+        ) - replayed_step_s(pp, virtual_stages, micro_batches, chunk_forward_s, 0.0)
+        assert 0.8 * waited_s <= priced_s <= 1.2 * waited_s
 
 
 def test_tensor_parallelism_splits_the_mlps_element_wise_work_and_sequence_parallelism_the_rest():
