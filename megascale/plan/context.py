@@ -63,8 +63,7 @@ def ring_messages(job: Job, layout: Layout) -> float:
     times."""
     if layout.cp == 1:
         return 0
-    forward_passes = 1 + layout.recomputed_share(job)
-    return forward_passes * (layout.cp - 1) + (layout.cp - 1) + layout.cp
+    return layout.forward_passes(job) * (layout.cp - 1) + (layout.cp - 1) + layout.cp
 
 
 def ring_transfer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
@@ -85,10 +84,9 @@ def exposed_ring_seconds(job: Job, layout: Layout, profile: HardwareProfile, fea
         return ring_messages(job, layout) * transfer_s
     forward_s, backward_s = attention_seconds(job, layout, profile, features.attention)
     steps = layout.cp
-    forward_passes = 1 + layout.recomputed_share(job)
     forward = (steps - 1) * max(0.0, transfer_s - forward_s / steps)
     backward = (steps - 1) * max(0.0, 2 * transfer_s - backward_s / steps) + transfer_s
-    return forward_passes * forward + backward
+    return layout.forward_passes(job) * forward + backward
 
 
 def ring_buffer_bytes(job: Job, layout: Layout) -> float:

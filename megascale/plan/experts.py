@@ -178,7 +178,7 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
         shared_width = moe.shared_experts * width
         shared_s = projections * 3 * gemm_seconds(tokens, model.dim, shared_width)
     nbytes = job.precision.activation_bytes
-    exchanges = 2 if layout.recompute != "full" else 3  # dispatch + combine per pass: fwd, bwd (, again)
+    exchanges = layout.forward_passes(job) + 1  # dispatch + combine per pass: forward(s), backward
     stride = 1 if layout.experts_over_tp else layout.tp
     one_s = all_to_all_seconds(slots * model.dim * nbytes, expert_group(layout), stride, profile)
     return MoEWork(

@@ -155,6 +155,11 @@ class Layout:
         chunk_blocks = job.model.n_layers / (self.pp * self.virtual_stages)
         return min(1.0, self.recompute_blocks / chunk_blocks) if self.recompute_blocks else 1.0
 
+    def forward_passes(self, job: Job) -> float:
+        """Forward passes a block runs a step on average: its own, and again in the backward for the share
+        of the blocks that recompute (`recomputed_share`)."""
+        return 1 + self.recomputed_share(job)
+
     def local_seq_len(self, job: Job) -> int:
         """Positions of each sequence one rank computes: its 2 chunks of 2 x cp under context parallelism."""
         return job.seq_len // self.cp

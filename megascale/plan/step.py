@@ -272,7 +272,7 @@ def pair_collectives(job: Job, layout: Layout) -> float:
     recomputation runs the forward's collectives again, in the share of blocks that recompute."""
     forward = 2
     backward = 3 if layout.sequence_parallel else 2
-    return forward * (1 + layout.recomputed_share(job)) + backward
+    return forward * layout.forward_passes(job) + backward
 
 
 def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
@@ -285,7 +285,7 @@ def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: Hard
     nbytes = job.precision.activation_bytes
     qkv = tokens * (model.attention.n_heads + 2 * model.attention.n_kv_heads) * head_dim * nbytes
     out = tokens * model.attention.n_heads * head_dim * nbytes
-    passes = 2 + layout.recomputed_share(job)
+    passes = layout.forward_passes(job) + 1  # and the backward
     return passes * sum(all_to_all_seconds(payload, layout.tp, 1, profile) for payload in (qkv, out))
 
 

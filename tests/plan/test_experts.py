@@ -95,6 +95,21 @@ def test_the_dispatch_moves_each_slot_of_the_ranks_share_of_the_sequence():
     assert work.forward_all_to_all_s == pytest.approx(2 * one)
 
 
+def test_recomputing_some_blocks_repeats_the_forward_exchanges_in_their_share_only():
+    """Dispatch and combine go again in the recomputed forward: in every block under full recomputation,
+    in half of them when half the blocks of each chunk recompute."""
+    layout = Layout(tp=8, pp=15, dp=2, ep=8, moe_tp="ep", attention="sp")
+    chunk_blocks = MODEL.n_layers // 15
+
+    def exchanged_s(**changes) -> float:
+        return moe_work(JOB, dataclasses.replace(layout, **changes), H800, lambda m, k, n: 0.0).all_to_all_s
+
+    none, full = exchanged_s(recompute="none"), exchanged_s(recompute="full")
+    assert full == pytest.approx(1.5 * none)
+    half = exchanged_s(recompute="full", recompute_blocks=chunk_blocks // 2)
+    assert half == pytest.approx(none + (full - none) * (chunk_blocks // 2) / chunk_blocks)
+
+
 def test_the_busiest_expert_parallel_rank_sets_the_pace_by_its_expected_share_of_independent_routing():
     """8 ranks of 4 experts each, 8,192 tokens a micro-batch each picking 3 of 32: a rank's slots have mean
     3,072 and variance 8,192 x 3 x 1/8 x 7/8 x 29/31; the busiest of 8 exceeds the mean by 1.4236 standard
