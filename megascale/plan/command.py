@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         ("--batch", args.batch),
         ("--gpus-per-node", args.gpus_per_node),
         ("--cp", args.cp),
+        ("--tp", args.tp),
+        ("--pp", args.pp),
     ):
         if value is not None and value < 1:
             raise ConfigError(f"plan: {flag} {value} must be >= 1")

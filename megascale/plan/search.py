@@ -190,6 +190,41 @@ def _fewest_recomputed(
     return None
 
 
+# What a pinned degree must satisfy, for the message that refuses one (the rules `_degrees` applies).
+PINNED_RULES = {
+    "tp": "TP divides the devices, the model's heads, KV heads, hidden size and vocabulary, within a node",
+    "pp": "PP divides the devices TP leaves, cuts the layers into stages the system can run and gets at "
+    "least pp micro-batches of the batch",
+    "cp": "CP is a power of two dividing the data-parallel ranks, leaving each rank "
+    f"{MIN_CONTEXT_POSITIONS:,} positions of a sequence at least",
+}
+
+
+def _pinned_problem(
+    job: Job,
+    devices: int,
+    profile: HardwareProfile,
+    fixed: dict[str, int],
+    recomputes: tuple[str, ...],
+    features: Features,
+) -> str | None:
+    """Why the pinned degrees leave no legal layout where the devices have some: the first pin no layout
+    takes, with the values layouts do take, or the pins together; None where no layout is legal at all."""
+    free = candidate_layouts(job, devices, profile, {}, recomputes, features)
+    if not free:
+        return None
+    for key, value in fixed.items():
+        legal = sorted({getattr(layout, key) for layout in free})
+        if value not in legal:
+            taken = ", ".join(str(degree) for degree in legal)
+            return (
+                f"--{key} {value} is not a degree {devices} devices can take for this job (these can: "
+                f"{taken}): {PINNED_RULES.get(key, 'see docs/planning.md')}"
+            )
+    pinned = " ".join(f"--{key} {value}" for key, value in fixed.items())
+    return f"{pinned}: each is legal alone but no layout of {devices} devices takes them together; unpin one"
+
+
 def memory_limit_bytes(profile: HardwareProfile, devices: int) -> float:
     """What one device may use: its memory less headroom, or on a CPU its share of the host's."""
     sharing = min(devices, profile.devices_per_node) if profile.host_cores else 1
@@ -216,6 +251,8 @@ def search(
     layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes, features)
     if not layouts:
         pinned = "".join(f" --{key} {value}" for key, value in (fixed or {}).items())
+        if fixed and (problem := _pinned_problem(job, cluster.devices, profile, fixed, recomputes, features)):
+            raise ConfigError(f"plan: {problem}")
         raise ConfigError(
             f"plan: no legal layout of {cluster.devices} devices for batch {job.global_batch}{pinned}: "
             "the batch "

@@ -107,6 +107,8 @@ def test_overrides_change_the_model(capsys):
             "sequence 1022 does not split into 2 x cp = 4 equal chunks",
         ),
         (["--devices", "8", "--cp", "0"], "plan: --cp 0 must be >= 1"),
+        (["--devices", "8", "--tp", "0"], "plan: --tp 0 must be >= 1"),
+        (["--devices", "16", "--hardware", "h100", "--tp", "16"], "--tp 16 is not a degree 16 devices"),
         (["--devices", "8", "--nic-gbps", "0"], "plan: --nic-gbps 0.0 must be > 0"),
         (["--devices", "8", "--gpus-per-node", "0"], "plan: --gpus-per-node 0 must be >= 1"),
         (["--devices", "8", "--straggler-hosts", "2"], "plan: --straggler-hosts 2.0 must be between 0 and 1"),

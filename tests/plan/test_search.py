@@ -58,8 +58,27 @@ def test_nothing_fits_names_the_limit_the_smallest_layout_and_the_fix():
 
 
 def test_no_legal_layout_says_why():
-    with pytest.raises(ConfigError, match=r"no legal layout of 256 devices for batch 768 --tp 3"):
+    with pytest.raises(
+        ConfigError, match=r"no legal layout of 256 devices for batch 7: the batch must divide"
+    ):
+        search(dataclasses.replace(JOB, global_batch=7), Cluster(256), A100, MEGASCALE)
+
+
+def test_a_pinned_degree_no_layout_takes_is_refused_with_the_degrees_that_are_taken():
+    with pytest.raises(
+        ConfigError,
+        match=r"plan: --tp 3 is not a degree 256 devices can take for this job "
+        r"\(these can: 1, 2, 4, 8\): TP divides the devices",
+    ):
         search(JOB, Cluster(256), A100, MEGASCALE, fixed={"tp": 3})
+    with pytest.raises(
+        ConfigError, match=r"--cp 2 is not a degree .* \(these can: 1\): CP is a power of two"
+    ):
+        search(JOB, Cluster(256), A100, MEGASCALE, fixed={"cp": 2})  # 2,048 positions: too short to split
+    with pytest.raises(
+        ConfigError, match=r"--tp 8 --pp 64: each is legal alone but no layout of 256 devices"
+    ):
+        search(JOB, Cluster(256), A100, MEGASCALE, fixed={"tp": 8, "pp": 64})
 
 
 def test_the_search_offers_only_the_zero_stages_the_system_has():
