@@ -322,7 +322,7 @@ def _pp_loop_share(layout: Layout) -> float:
     priced to wait for with asynchronous sends and receives: a micro-batch's way through the pv chunks
     and back is a loop of pv computations and 2 (pv - 1) transfers, and each micro-batch's turn is taken
     to wait for 2 (pv - 1)/pv of them, of the 2 v `_pp_seconds` counts. Unlike 1F1B's
-    (`_overlapped_pp_seconds`), these orders have not been replayed with transfers."""
+    (`_overlapped_pp_seconds`), no replay of these orders in the tests backs this share."""
     chunks = layout.pp * layout.virtual_stages
     return (chunks - 1) / chunks / layout.virtual_stages
 
