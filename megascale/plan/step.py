@@ -124,7 +124,7 @@ def estimate_step(
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s
     forward_s = per_micro_batch(lambda block, moe: block.total_s - block.recompute_s) / 3
     pp_exposed_s = _pp_exposed_seconds(job, layout, profile, features, m, forward_s)
-    if not features.pp_overlap or layout.zero_bubble:  # each micro-batch's turn waits for its transfers
+    if not features.pp_overlap:  # each micro-batch's turn waits for its transfers
         micro_batch_s += pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
@@ -307,47 +307,38 @@ def _pp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, m: int, forward_s: float
 ) -> float:
     """Pipeline transfer seconds on the critical path, per micro-batch: all of them when blocking; with
-    asynchronous sends and receives what 1F1B's order waits for over the step (`_overlapped_pp_seconds`,
-    given a micro-batch's `forward_s` through the stage), or a zero-bubble V schedule's loop share."""
+    asynchronous sends and receives what the schedule's order waits for over the step
+    (`_overlapped_pp_seconds`, given a micro-batch's `forward_s` through the stage)."""
     transfers_s = _pp_seconds(job, layout, profile, features)
     if not features.pp_overlap:
         return transfers_s
-    if layout.zero_bubble:
-        return transfers_s * _pp_loop_share(layout)
     return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
 
 
-def _pp_loop_share(layout: Layout) -> float:
-    """The share of a micro-batch's pipeline transfers a zero-bubble V schedule (ZB-V, DualPipeV) is
-    priced to wait for with asynchronous sends and receives: a micro-batch's way through the pv chunks
-    and back is a loop of pv computations and 2 (pv - 1) transfers, and each micro-batch's turn is taken
-    to wait for 2 (pv - 1)/pv of them, of the 2 v `_pp_seconds` counts. Unlike 1F1B's
-    (`_overlapped_pp_seconds`), no replay of these orders in the tests backs this share."""
-    chunks = layout.pp * layout.virtual_stages
-    return (chunks - 1) / chunks / layout.virtual_stages
-
-
 def _overlapped_pp_seconds(layout: Layout, m: int, transfers_s: float, forward_s: float) -> float:
-    """Transfer seconds a step waits for under Megatron's 1F1B schedules (megascale's and torch's run the
-    same orders) when sends and receives are asynchronous, given `transfers_s`, a micro-batch's 2 v
-    transfers through a stage, and `forward_s`, its forward through the stage's chunks.
+    """Transfer seconds a step waits for when sends and receives are asynchronous, under the schedules'
+    own orders (Megatron-LM's 1F1B and interleaved 1F1B, which torch's share, and torch's ZB-V and
+    DualPipeV), given `transfers_s`, a micro-batch's 2 v transfers through a stage, and `forward_s`, its
+    forward through the stage's chunks.
 
-    Replaying the schedules' orders (each rank's forwards and backwards in turn, each as soon as its
-    input has arrived; tests/plan/test_step.py replays them): without interleaving (v = 1) the 1F1B loop
-    of p stages and 2 (p - 1) transfers, which the p micro-batches in flight go round, keeps 2 (p - 1)/p
-    transfers of each micro-batch's turn exposed, and the fill and drain 2 (p - 2) more. Interleaved, the
-    2 (p - 1 - rank) forwards each rank runs ahead beyond v - 1 rounds give every transfer a chunk's
-    forward of slack, so only one micro-batch's path through the p v chunks and back, 2 (p v - 1)
-    transfers, stays exposed, in the fill and drain. A transfer longer than a chunk's forward delays each
-    chunk's turn after the first of a micro-batch by the excess (the replay's wait within a fifth for
-    transfers up to two chunk forwards long: rare on GPUs, where a chunk computes for milliseconds).
-    Exact when the micro-batches fill whole rounds of p; otherwise within two transfers."""
+    Replaying the orders (each rank's actions in turn, each as soon as its input has arrived;
+    tests/plan/test_step.py replays them): without interleaving (v = 1) the 1F1B loop of p stages and
+    2 (p - 1) transfers, which the p micro-batches in flight go round, keeps 2 (p - 1)/p transfers of each
+    micro-batch's turn exposed, and the fill and drain 2 (p - 2) more; exact when the micro-batches fill
+    whole rounds of p, within two transfers otherwise. Interleaved, each rank runs 2 (p - 1 - rank)
+    forwards ahead beyond its v - 1 rounds, a chunk's forward of slack for every transfer, so only one
+    micro-batch's way through the p v chunks and back is waited for, in the fill and drain: 2 (p v - 1)
+    transfers, 4 (p - 1) on a V, whose turn stays on a rank (DualPipeV's exactly; ZB-V's order within
+    max(1, p - 3) transfers of it). A transfer longer than a chunk's forward delays each chunk's turn
+    after the first of a micro-batch by the excess (interleaved 1F1B's replayed wait within a fifth for
+    transfers up to two chunk forwards long: rare on GPUs, where a chunk computes for milliseconds)."""
     p, v = layout.pp, layout.virtual_stages
     transfer_s = transfers_s / (2 * v)
-    if v == 1:
+    if v == 1 and not layout.zero_bubble:
         return transfer_s * (2 * (p - 1) / p * m + 2 * (p - 2))
+    path = 2 * (p * v - 1) - (2 if layout.zero_bubble else 0)  # a V's turn stays on its rank
     excess_s = max(0.0, transfer_s - forward_s / v)
-    return 2 * (p * v - 1) * transfer_s + m * (v - 1) * excess_s
+    return path * transfer_s + m * (v - 1) * excess_s
 
 
 def _bubble_micro_batches(layout: Layout) -> float:

@@ -4,6 +4,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 from megascale.config import load_config
 from megascale.models.feed_forward import ffn_dim_of
@@ -350,35 +352,77 @@ def megatron_1f1b_order(pp: int, chunks_per_rank: int, micro_batches: int, rank:
     return order + [action("B", k) for k in range(m * v - warmup, m * v)]
 
 
-def replayed_step_s(pp: int, chunks_per_rank: int, micro_batches: int, forward_s: float, transfer_s: float):
-    """The makespan of Megatron-LM's 1F1B order with a chunk's forward taking `forward_s`, its backward
-    twice that, and every transfer between stages `transfer_s` (asynchronous: a rank computes on while
-    one travels): each rank runs its actions in order, each as soon as the rank is free and its input has
-    arrived."""
-    stages = pp * chunks_per_rank
-    orders = [megatron_1f1b_order(pp, chunks_per_rank, micro_batches, rank) for rank in range(pp)]
+class _StubStage:
+    """What torch's multi-stage schedules read of a stage to lay out their order."""
+
+    def __init__(self, stage_index: int, num_stages: int, pp: int):
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = stage_index, num_stages, pp, 0
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod, self.has_backward, self.dw_builder = torch.nn.Linear(1, 1), True, None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def torch_v_orders(schedule: type, pp: int, micro_batches: int):
+    """Every rank's actions, (kind, stage, micro-batch), in torch's order for a V schedule (its own
+    `pipeline_order`), a DualPipeV pair of a forward and a backward run one after the other; and which
+    rank holds each stage."""
+    stages = [_StubStage(0, 2 * pp, pp), _StubStage(2 * pp - 1, 2 * pp, pp)]
+    order = schedule(stages, micro_batches, loss_fn=lambda output, target: output.sum()).pipeline_order
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    orders = {}
+    for rank, actions in order.items():
+        flat = [sub for a in actions if a is not None for sub in (getattr(a, "sub_actions", None) or (a,))]
+        orders[rank] = [(kinds[a.computation_type.name], a.stage_index, a.microbatch_index) for a in flat]
+    owner = {stage: min(stage, 2 * pp - 1 - stage) for stage in range(2 * pp)}
+    return orders, owner
+
+
+def replayed_step_s(orders, owner, forward_s: float, transfer_s: float) -> float:
+    """The makespan of the ranks' `orders` with a chunk's forward taking `forward_s`, its backward twice
+    that (an input gradient and a weight gradient, as split, each once), and every transfer between two
+    ranks `transfer_s` (asynchronous: a rank computes on while one travels): each rank runs its actions
+    in order, each as soon as the rank is free and its inputs have arrived."""
+    stages = len(owner)
+    costs = {"F": forward_s, "B": 2 * forward_s, "I": forward_s, "W": forward_s}
     done: dict[tuple[str, int, int], float] = {}
-    position, free = [0] * pp, [0.0] * pp
-    while any(position[rank] < len(orders[rank]) for rank in range(pp)):
+    position, free = dict.fromkeys(orders, 0), dict.fromkeys(orders, 0.0)
+    while any(position[rank] < len(orders[rank]) for rank in orders):
         progressed = False
-        for rank in range(pp):
-            while position[rank] < len(orders[rank]):
-                kind, stage, micro_batch = orders[rank][position[rank]]
+        for rank, order in orders.items():
+            while position[rank] < len(order):
+                kind, stage, micro_batch = order[position[rank]]
+                hop = {stage: 0.0, stage - 1: transfer_s, stage + 1: transfer_s}
+                hop = {s: 0.0 if owner.get(s) == rank else delay for s, delay in hop.items()}
                 if kind == "F":
-                    inputs = [(("F", stage - 1, micro_batch), transfer_s)] if stage else []
+                    inputs = [(("F", stage - 1, micro_batch), hop[stage - 1])] if stage else []
+                elif kind == "W":
+                    inputs = [(("I", stage, micro_batch), 0.0)]
                 else:
                     inputs = [(("F", stage, micro_batch), 0.0)]
                     if stage < stages - 1:
-                        inputs.append((("B", stage + 1, micro_batch), transfer_s))
+                        inputs.append((("I", stage + 1, micro_batch), hop[stage + 1]))
                 if any(key not in done for key, _ in inputs):
                     break
                 start = max([free[rank]] + [done[key] + delay for key, delay in inputs])
-                free[rank] = start + (forward_s if kind == "F" else 2 * forward_s)
-                done[(kind, stage, micro_batch)] = free[rank]
+                free[rank] = start + costs[kind]
+                done[("I" if kind == "B" else kind, stage, micro_batch)] = free[rank]
                 position[rank] += 1
                 progressed = True
         assert progressed, "the order deadlocked"
-    return max(free)
+    return max(free.values())
+
+
+def megatron_orders(pp: int, chunks_per_rank: int, micro_batches: int):
+    orders = {rank: megatron_1f1b_order(pp, chunks_per_rank, micro_batches, rank) for rank in range(pp)}
+    return orders, {stage: stage % pp for stage in range(pp * chunks_per_rank)}
+
+
+def waited_s(orders_and_owner, forward_s: float, transfer_s: float) -> float:
+    """What the transfers add to the replayed makespan."""
+    orders, owner = orders_and_owner
+    return replayed_step_s(orders, owner, forward_s, transfer_s) - replayed_step_s(
+        orders, owner, forward_s, 0.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -403,12 +447,10 @@ def test_asynchronous_pipeline_transfers_leave_what_the_replayed_schedule_waits_
     compute_s = sum(overlapped.terms_s[term] for term in ("gemm", "attention", "elementwise"))
     forward_s = compute_s / (3 * micro_batches * virtual_stages)  # a chunk's, for one micro-batch
     assert transfer_s < forward_s
-    waited_s = replayed_step_s(pp, virtual_stages, micro_batches, forward_s, transfer_s) - replayed_step_s(
-        pp, virtual_stages, micro_batches, forward_s, 0.0
-    )
+    waited = waited_s(megatron_orders(pp, virtual_stages, micro_batches), forward_s, transfer_s)
     whole_rounds = virtual_stages > 1 or micro_batches % pp == 0
-    tolerance = 1e-6 * waited_s if whole_rounds else 2 * transfer_s
-    assert overlapped.terms_s["pp_exposed"] == pytest.approx(waited_s, abs=tolerance)
+    tolerance = 1e-6 * waited if whole_rounds else 2 * transfer_s
+    assert overlapped.terms_s["pp_exposed"] == pytest.approx(waited, abs=tolerance)
 
 
 @pytest.mark.parametrize(
@@ -425,10 +467,29 @@ def test_a_transfer_longer_than_a_chunks_forward_delays_the_chunks_turns_by_the_
     chunk_forward_s = forward_s / virtual_stages
     for transfer_s in (1.5 * chunk_forward_s, 2 * chunk_forward_s):
         priced_s = _overlapped_pp_seconds(layout, micro_batches, 2 * virtual_stages * transfer_s, forward_s)
-        waited_s = replayed_step_s(
-            pp, virtual_stages, micro_batches, chunk_forward_s, transfer_s
-        ) - replayed_step_s(pp, virtual_stages, micro_batches, chunk_forward_s, 0.0)
-        assert 0.8 * waited_s <= priced_s <= 1.2 * waited_s
+        waited = waited_s(megatron_orders(pp, virtual_stages, micro_batches), chunk_forward_s, transfer_s)
+        assert 0.8 * waited <= priced_s <= 1.2 * waited
+
+
+@pytest.mark.parametrize("schedule", [ScheduleZBVZeroBubble, ScheduleDualPipeV])
+@pytest.mark.parametrize(("pp", "micro_batches"), [(2, 8), (4, 8), (4, 16), (8, 16)])
+def test_a_v_schedule_waits_for_one_micro_batchs_way_through_the_ranks_and_back(schedule, pp, micro_batches):
+    """torch's ZB-V and DualPipeV orders, replayed with transfers a tenth of a chunk's forward, wait for
+    about one micro-batch's way through the V and back, 4 (pp - 1) transfers, once a step: DualPipeV's
+    exactly, ZB-V's within max(1, pp - 3) transfers; their bubble is (pp - 1)/6 of a micro-batch's work."""
+    from megascale.plan.step import _overlapped_pp_seconds
+
+    chunk_forward_s = 1.0
+    transfer_s = chunk_forward_s / 10
+    layout = Layout(pp=pp, virtual_stages=2, zero_bubble=True)
+    priced_s = _overlapped_pp_seconds(layout, micro_batches, 4 * transfer_s, 2 * chunk_forward_s)
+    orders = torch_v_orders(schedule, pp, micro_batches)
+    waited = waited_s(orders, chunk_forward_s, transfer_s)
+    assert priced_s == pytest.approx(4 * (pp - 1) * transfer_s)
+    assert priced_s == pytest.approx(waited, abs=max(1, pp - 3) * transfer_s + 1e-9)
+    work_s = micro_batches * 6 * chunk_forward_s  # two chunks a rank, each F + I + W
+    bubble = (replayed_step_s(*orders, chunk_forward_s, 0.0) - work_s) / (6 * chunk_forward_s)
+    assert bubble == pytest.approx((pp - 1) / 6)
 
 
 def test_tensor_parallelism_splits_the_mlps_element_wise_work_and_sequence_parallelism_the_rest():
