@@ -2,9 +2,10 @@
 
 A step is the pipeline's work plus what the schedule cannot hide:
 
-    step = straggler * (m + bubble) * t_mb + core sharing + exposed DP + sharing * optimizer + host
+    step = straggler * (m + bubble) * t_mb + overlapped PP + core sharing + exposed DP
+           + sharing * optimizer + host
     t_mb = blocks_per_stage * (block + exposed TP/SP + exposed CP ring) [+ output layer on the last stage]
-           + exposed PP p2p
+           [+ blocking PP p2p]
 
 t_mb is one micro-batch through the slowest stage (forward and backward). The bubble is (pp - 1) micro-
 batch times for 1F1B, (pp - 1)/v for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021) and
