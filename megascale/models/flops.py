@@ -62,11 +62,16 @@ def attention_span(cfg: ModelConfig, seq_len: int) -> int:
     return seq_len if window is None else min(window, seq_len)
 
 
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The attention scores' and weighted sum's FLOPs for one token, forward + backward, over its whole
+    span (12 L h s: unhalved, whatever the mask, as Megatron-LM, PaLM and torchtitan count them)."""
+    return 12 * cfg.n_layers * cfg.attention.n_heads * head_dim_of(cfg) * attention_span(cfg, seq_len)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs to train on one token (forward + backward) at this sequence length."""
     dense = matmul_params(cfg, active=True) + cfg.vocab_size * cfg.dim  # + the output layer
-    attention = 12 * cfg.n_layers * cfg.attention.n_heads * head_dim_of(cfg) * attention_span(cfg, seq_len)
-    return 6 * dense + attention
+    return 6 * dense + attention_flops_per_token(cfg, seq_len)
 
 
 def mfu(tokens_per_s: float, cfg: ModelConfig, seq_len: int, peak_flops: float) -> float:

@@ -11,7 +11,8 @@ import dataclasses
 
 from megascale.config import JobConfig, load_config
 from megascale.errors import ConfigError
-from megascale.models.flops import flops_per_token, num_params
+from megascale.models.flops import attention_flops_per_token, attention_span, flops_per_token, num_params
+from megascale.plan.compute import keys_per_query
 from megascale.plan.constants import model_constants, profile_constants
 from megascale.plan.experts import is_moe
 from megascale.plan.hardware import HardwareProfile
@@ -213,6 +214,15 @@ def render(
             f"{100 * estimate.mfu:>5.1f}% {estimate.memory.total_bytes / 1e9:>10.1f}  "
             + "  ".join(f"{100 * seconds / estimate.step_s:>6.1f}%" for seconds in groups.values())
         )
+    if (share := attention_share(job)) >= ATTENTION_SHARE_NOTED:
+        span = attention_span(model, job.seq_len)
+        run = keys_per_query(job.seq_len, model.attention.window) / span  # of each query's counted keys
+        lines.append(
+            f"MFU counts attention unhalved (6N + 12 x layers x heads x head size x span FLOPs a token, as "
+            f"Megatron-LM and torchtitan count it): {share:.0%} of these FLOPs are attention's, of which a "
+            f"causal kernel runs {run:.0%}, so the devices run {1 - share * (1 - run):.0%} of the FLOPs the "
+            "MFU counts"
+        )
     best = plans[0]
     placement = choose_rank_order(best.layout, profile)
     lines += [
@@ -225,6 +235,15 @@ def render(
     if explain:
         lines += explain_lines(best, profile)
     return "\n".join(lines) + "\n"
+
+
+# The share of the counted FLOPs from attention above which the plan says how MFU counts them.
+ATTENTION_SHARE_NOTED = 0.25
+
+
+def attention_share(job: Job) -> float:
+    """Attention's share of the FLOPs a token is counted (`flops_per_token`: unhalved, whatever the mask)."""
+    return attention_flops_per_token(job.model, job.seq_len) / flops_per_token(job.model, job.seq_len)
 
 
 def _millions(count: int) -> str:

@@ -190,3 +190,17 @@ def test_every_gpu_generation_plans_in_its_own_precision_and_node(capsys, hardwa
         capsys, "--config", PAPER_175B, "--devices", "512", "--batch", "512", "--hardware", hardware
     )
     assert status == 0 and out.splitlines()[1].startswith(assumed)
+
+
+def test_a_long_context_plan_says_how_its_mfu_counts_attention(capsys):
+    """At 131,072 tokens Llama 3.1 8B's attention, counted unhalved, is 12 x 32 x 4,096 x 131,072 =
+    2.06e11 FLOPs a token against 6N = 4.5e10 for its 7.5B matmul weights: 82%, of which a causal kernel
+    runs half, so the devices run 59% of what the MFU counts. At 8,192 tokens (22%) nothing is said."""
+    long_context = ["--data.seq_len=131072", "--model.max_seq_len=131072"]
+    args = ["--config", str(REPO / "configs" / "llama3.1-8b.toml"), "--hardware", "h100", "--top", "1"]
+    status, out, _ = plan(capsys, *args, "--devices", "64", "--batch", "16", *long_context)
+    assert status == 0
+    assert "82% of these FLOPs are attention's, of which a causal kernel runs 50%" in out
+    assert "the devices run 59% of the FLOPs the MFU counts" in out
+    status, out, _ = plan(capsys, *args, "--devices", "8")
+    assert status == 0 and "MFU counts attention unhalved" not in out
