@@ -31,8 +31,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from megascale.config import AttentionConfig, ModelConfig, MoEConfig, head_dim_of
-from megascale.models.flops import flops_per_token, num_params
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig
+from megascale.models.flops import attention_flops_per_token, flops_per_token, num_params
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
 from megascale.plan.validation import (
@@ -250,8 +250,7 @@ def qwen3_moe(dim: int, layers: int, heads: int, expert_dim: int) -> ModelConfig
 def causal_model_flops(model: ModelConfig, seq_len: int) -> float:
     """NVIDIA's model FLOPs a token: 6 x the parameters a token uses (the output layer's too), and causal
     attention at half the square (what its tokens/s and TFLOP/s columns imply, within 1%)."""
-    attention = 6 * model.n_layers * model.attention.n_heads * head_dim_of(model) * seq_len
-    return flops_per_token(model, seq_len) - attention
+    return flops_per_token(model, seq_len) - attention_flops_per_token(model, seq_len) / 2
 
 
 BRIDGE_MOE = "Megatron-Bridge 25.11, Qwen3 MoE"
