@@ -4,7 +4,7 @@ collects every hold-out table; docs/planning.md, "Hold-out tables").
 
 NeMo's pre-training table of its 24.07 container (NVIDIA/NeMo docs/source/performance/performance_summary.md,
 August-September 2024): Megatron-Core on DGX-H100 in float8, each row with its TP, PP, CP and virtual
-stages, priced as the validation set's Megatron-Core rows are (`megascale.plan.validation.MEGATRON_CORE`),
+stages, priced as the validation set's Megatron-Core rows are (`megascale.plan.systems.MEGATRON_CORE`),
 the blocks' linear layers in float8 with their casts as torchao makes them (`megascale.plan.compute`:
 Transformer Engine casts less) and their inputs kept in float8 as Transformer Engine keeps them. Its
 Nemotron rows are left out: the table gives no shapes for them.
@@ -35,10 +35,10 @@ from megascale.config import AttentionConfig, ModelConfig, MoEConfig
 from megascale.models.flops import attention_flops_per_token, flops_per_token, num_params
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
+from megascale.plan.systems import MEGATRON_CORE
 from megascale.plan.validation import (
     H100,
     LLAMA3_8B,
-    MEGATRON_CORE,
     Published,
     Source,
     gpt,

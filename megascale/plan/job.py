@@ -200,7 +200,7 @@ class Features:
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     # Whether that overlap holds with a pipeline too: Megatron-LM in 2021-2022 ran torch's DDP, whose
-    # buckets reduce behind the last micro-batch's backward, only without one (validation.MEGATRON_2021).
+    # buckets reduce behind the last micro-batch's backward, only without one (systems.MEGATRON_2021).
     dp_overlap_pipelined: bool = True
     # The device's fastest fused attention (FlashAttention-2 on Ampere, §3.3), fused LayerNorm and GeLU.
     fused_kernels: bool = False
@@ -252,8 +252,9 @@ class Features:
     # or needs pp x v to divide them (Megatron-LM asserts it).
     uneven_stages: bool = False
     # The fewest pipeline stages the system interleaves model chunks over (None: it has no interleaved
-    # schedule, as DeepSpeed's pipeline engine). Megatron-LM refuses virtual stages unless pp > 2
-    # (megatron/core/parallel_state.py); torch's pipelining, megascale's trainer, interleaves two.
+    # schedule, as DeepSpeed's pipeline engine). Megatron-LM refused virtual stages unless pp > 2
+    # (megatron/core/parallel_state.py) until Megatron-Core 0.8 (`systems.MEGATRON_CORE`); torch's
+    # pipelining, megascale's trainer, interleaves two.
     interleaved_min_pp: int | None = 3
     # Whether gradients are allocated as the backward makes them (autograd's, FSDP's) rather than held in a
     # buffer through the step (Megatron-LM's and DeepSpeed's contiguous gradient buffers): a step of one

@@ -22,9 +22,16 @@ from dataclasses import dataclass
 from megascale.config import AttentionConfig, ModelConfig
 from megascale.models.flops import num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
-from megascale.plan.job import MEGATRON, MIXED_BF16, Cluster, Features, Job, Layout
+from megascale.plan.job import MIXED_BF16, Cluster, Features, Job, Layout
 from megascale.plan.search import NoLayoutFits, Plan, fastest_per_split, search
 from megascale.plan.step import StepEstimate, estimate_step
+from megascale.plan.systems import (
+    FSDP,
+    MEGATRON_2021_SC21,
+    MEGATRON_2022,
+    MEGATRON_CORE,
+    TORCHTITAN,
+)
 
 A100, H100 = PROFILES["a100"], PROFILES["h100"]
 TERA = 1e12
@@ -223,55 +230,6 @@ def published(
     )
 
 
-# Megatron-LM as it ran in 2021-2022: no overlap of pipeline communication, attention over materialised
-# scores, data parallelism without a distributed optimizer, a host stall per step (the MegaScale paper's
-# baseline, before FlashAttention). The gradient all-reduce goes behind the backward without a pipeline,
-# where it ran torch's DDP, and after it with one, where it ran its own (SC'21's scripts, run_table_1.sh:
-# DDP=torch for pp = 1, DDP=local otherwise; only its schedule without a pipeline defers DDP's sync to
-# the last micro-batch).
-MEGATRON_2021 = dataclasses.replace(
-    MEGATRON,
-    attention_kernel="materialized",
-    zero_stages=(0,),
-    dp_overlap=True,
-    dp_overlap_pipelined=False,
-)
-# ... in 2022, with the column-parallel layers' backward collectives behind their gradient GEMMs
-# (September 2021 for the all-reduce, March 2022 for sequence parallelism's gather and reduce-scatter).
-MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, tp_backward_overlap=True)
-# ... as SC'21 ran it: before sequence parallelism and selective recomputation (Korthikanti et al. 2022),
-# and every run recomputing whole blocks, as its hardware FLOPs (Eq. 3) count the recomputed forward.
-MEGATRON_2021_SC21 = dataclasses.replace(MEGATRON_2021, sequence_parallel=False, recomputes=("full",))
-# Megatron-Core in 2024: data-, tensor- and pipeline-parallel communication overlapped, fused kernels
-# (Transformer Engine's: fused attention, ring attention's transfers behind the blocks, float8 inputs).
-MEGATRON_CORE = Features(
-    tp_overlap=True,
-    tp_overlap_attention=True,
-    pp_overlap=True,
-    dp_overlap=True,
-    cp_overlap=True,
-    fused_kernels=True,
-    zero_stages=(1,),  # the distributed optimizer
-    host_overhead_s=0.2,
-    float8_keeps_inputs=True,
-    partial_recompute=True,
-)
-# FSDP (PyTorch's, in torchtitan and Composer, uncompiled): per-block all-gathers prefetched, reduce-
-# scatters behind the backward, FlashAttention-2 (torch's SDPA ran it on Hopper too in late 2024,
-# pytorch/pytorch#141133), element-wise operators one kernel each.
-FSDP = Features(
-    dp_overlap=True,
-    attention_kernel="flash2",
-    dp_sync_per_micro_batch=True,
-    host_overhead_s=0.2,
-    grads_as_made=True,
-)
-# torchtitan's FSDP2, whose selective recomputation is per operator ("op": every second matmul of a block
-# and its element-wise operators recomputed, `megascale.plan.compute`), uncompiled: its Llama's RMSNorm
-# and RoPE run as composite float32 operators, each a pass through memory.
-TORCHTITAN = dataclasses.replace(FSDP, recomputes=("none", "op", "full"), elementwise="eager")
-
-
 SC21 = Source(
     name="Megatron-LM, SC'21 Table 1",
     where="Narayanan et al. 2021 (arXiv 2104.04473) Table 1; per-row micro-batch and virtual stages from "
@@ -281,7 +239,9 @@ SC21 = Source(
     profile=A100,
     assumed="no sequence parallelism (it did not exist); data parallelism without ZeRO (zero_stage 0): "
     "torch's DDP without a pipeline, Megatron-LM's own after the backward with one (run_table_1.sh's "
-    "DDP=torch and DDP=local); dropout, Megatron-LM's default (run_table_1.sh sets none)",
+    "DDP=torch and DDP=local); dropout, Megatron-LM's default (run_table_1.sh sets none); gradients "
+    "accumulated and reduced in float16 (the scripts' CONFIG.sh trains in --fp16, and that Megatron-LM "
+    "keeps them in float32 only under bf16: megatron/model/distributed.py at the scripts' commit)",
 )
 SC21_ROWS = [
     # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, TFLOP/s per GPU)
@@ -306,7 +266,16 @@ def sc21() -> list[Published]:
         label = f"{model_size(model)} tp{tp} pp{pp} on {gpus}"
         job = (model, 2048, batch)
         rows.append(
-            published(SC21, label, job, layout, megatron_hardware_flops, tflops_per_gpu=tflops, dropout=True)
+            published(
+                SC21,
+                label,
+                job,
+                layout,
+                megatron_hardware_flops,
+                tflops_per_gpu=tflops,
+                dropout=True,
+                grad_bytes=2,
+            )
         )
     return rows
 

@@ -112,7 +112,7 @@ def test_context_parallelism_is_offered_for_long_sequences_only():
 
 def test_the_search_offers_only_the_recomputation_and_sequence_parallelism_the_system_has():
     """Megatron-LM as SC'21 ran it: no sequence parallelism, and every block recomputed."""
-    from megascale.plan.validation import MEGATRON_2021_SC21
+    from megascale.plan.systems import MEGATRON_2021_SC21
 
     plans = search(JOB, Cluster(1024), A100, MEGATRON_2021_SC21)
     assert {plan.layout.recompute for plan in plans} == {"full"}
@@ -120,6 +120,25 @@ def test_the_search_offers_only_the_recomputation_and_sequence_parallelism_the_s
     offered = candidate_layouts(JOB, 1024, A100, {}, ("none", "op"), MEGASCALE)
     assert {layout.recompute for layout in offered} == {"none", "op"}
     assert all(layout.sequence_parallel for layout in offered)
+
+
+def test_the_search_interleaves_from_the_fewest_stages_the_system_interleaves_over():
+    """Megatron-LM of 2021 interleaves from pp 3, Megatron-Core 0.8 from pp 2 (its transfers overlapped):
+    on Megatron-Core's 70B row (84 layers, 8 micro-batches over pp 2) the published split tp8 pp2 can then
+    run 21 chunks of two layers, which puts it among the search's first five splits."""
+    from megascale.plan.systems import MEGATRON_2021, MEGATRON_CORE
+
+    chunks = {
+        features.interleaved_min_pp: {
+            layout.virtual_stages
+            for layout in candidate_layouts(JOB, 1024, A100, {"pp": 2}, ("full",), features)
+        }
+        for features in (MEGATRON_2021, MEGATRON_CORE)
+    }
+    assert chunks[3] == {1} and max(chunks[2]) == 48  # 96 layers over 2 stages, down to one a chunk
+    row = next(row for row in validation_rows() if row.label == "70B tp8 pp2 on 768")
+    top = [(plan.layout.tp, plan.layout.pp) for plan in fastest_per_split(row.searched_plans())[:5]]
+    assert (8, 2) in top and row.search_agrees()
 
 
 def test_the_search_finds_a_layout_at_least_as_fast_as_every_published_one_it_could_run():

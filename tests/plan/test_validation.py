@@ -1,6 +1,7 @@
 """The planner on published runs it was not fitted on (megascale/plan/validation.py): each row's published
 step time follows from its source's own figures, and the errors stay within the bounds the planner holds."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,20 @@ def test_a_rows_published_step_reproduces_its_sources_own_figures():
     assert rows["MPT-7b on 128"].mfu == pytest.approx(0.4571, abs=0.003)
     # torchtitan's Llama 3 8B at 2,973 tokens/s per GPU is its published 58.2% MFU.
     assert rows["Llama 3 8B, recompute selective op"].mfu == pytest.approx(0.582, abs=0.003)
+
+
+def test_sc21s_rows_reduce_float16_gradients_as_its_scripts_trained():
+    """SC'21's scripts train in --fp16, and Megatron-LM of 2021 kept gradients in float32 only under bf16:
+    its 39B row (pp 2, Megatron-LM's own DDP after the backward) waits for a float16 all-reduce of each
+    rank's 39B / 16 parameters over 32 nodes, half the bytes of a float32 one."""
+    (row,) = [row for row in validation.sc21() if row.label == "39B tp8 pp2 on 512"]
+    assert row.job.precision.grad_bytes == 2
+    float32 = dataclasses.replace(row, grad_bytes=4)
+    weights_s = 2 * row.predict().terms_s["dp_exposed"] - float32.predict().terms_s["dp_exposed"]
+    reduce_s = row.predict().terms_s["dp_exposed"] - weights_s  # the gradients' reduce-scatter
+    params = validation.num_params(row.model) / 16
+    link = row.source.profile.inter_node_bytes_per_s * row.source.profile.network_efficiency
+    assert reduce_s == pytest.approx(31 / 32 * 2 * params / link, rel=0.02)
 
 
 def test_llama_3s_long_context_layout_is_expressed_and_predicted_within_8_points():
