@@ -37,7 +37,7 @@ from megascale.plan.experts import (
     moe_block_params,
     moe_layers,
 )
-from megascale.plan.job import Job, Layout
+from megascale.plan.job import Features, Job, Layout
 from megascale.plan.stages import most_blocks
 
 
@@ -116,6 +116,11 @@ def stage_params(job: Job, layout: Layout) -> float:
     return sum(group.params for group in stage_param_groups(job, layout))
 
 
+# The system the counts assume where none is named: FlashAttention, Megatron-LM's fused SwiGLU, bfloat16
+# inputs kept for float8 layers, gradients in a buffer held through the step, float32 logits and gradient.
+DEFAULT_SYSTEM = Features()
+
+
 @dataclass(frozen=True)
 class KeptPerToken:
     """What a block keeps for its backward per token, in bytes at 2-byte activations
@@ -127,17 +132,18 @@ class KeptPerToken:
     mlp_by_tp: float  # the MLP's share of `by_tp`
 
 
-def block_bytes_per_token(job: Job, fused_swiglu: bool = True, float8_inputs: bool = False) -> KeptPerToken:
+def block_bytes_per_token(job: Job, features: Features = DEFAULT_SYSTEM) -> KeptPerToken:
     """Korthikanti et al.'s count of what a block keeps for its backward, tensor by tensor, for the
     block's shape. Split only by sequence parallelism: each norm's input, the input the attention's and
     the MLP's column-parallel layers read (one, shared, in a parallel block), and with dropout a 1-byte
     mask after the attention and one after the MLP. Split by tp: queries and keys (the scores' inputs),
     values, the attention's output (which the output projection reads), and the MLP's ffn-wide tensors:
     GeLU's input and output, or SwiGLU's gate and up projections and their product (Megatron's fused
-    SwiGLU recomputes the activation from the pair; an eager one keeps it too). A GPT block (multi-head
-    attention, a 4h GeLU MLP, dropout) is their 10 + 24 = 34 sbh; grouped-query attention keeps narrower
-    keys and values, a SwiGLU MLP more. With `float8_inputs`, a float8 job's linear layers keep the inputs
-    they read at a byte an element, as Transformer Engine's do (`Features.float8_keeps_inputs`): the
+    SwiGLU recomputes the activation from the pair; an eager one, `Features.elementwise` "eager", keeps it
+    too). A GPT block (multi-head attention, a 4h GeLU MLP, dropout) is their 10 + 24 = 34 sbh; grouped-
+    query attention keeps narrower keys and values, a SwiGLU MLP more. Where the system keeps float8 inputs
+    (`Features.float8_keeps_inputs`), a float8 job's linear layers keep the inputs they read at a byte an
+    element, as Transformer Engine's do: the
     norms' outputs and the MLP's last ffn-wide tensor, which nothing else keeps, in float8 only; the
     attention's output, which the attention kernel keeps for its own backward, in both."""
     model = job.model
@@ -146,9 +152,9 @@ def block_bytes_per_token(job: Job, fused_swiglu: bool = True, float8_inputs: bo
     serial = model.block != "parallel"
     masks = (2 if job.dropout else 0) * h  # a byte an element
     inputs = 2 if serial else 1  # norms, and the inputs the column-parallel layers read
-    float8_copies = float8_inputs and job.fp8
+    float8_copies = features.float8_keeps_inputs and job.fp8
     linear_input = 1 if float8_copies else 2  # bytes a linear layer's kept input takes
-    ffn_tensors = (3 if fused_swiglu else 4) if model.mlp == "swiglu" else 2
+    ffn_tensors = (3 if features.elementwise != "eager" else 4) if model.mlp == "swiglu" else 2
     # ... the last of them is the input of the MLP's row-parallel layer
     mlp_by_tp = (2 * (ffn_tensors - 1) + linear_input) * ffn_dim_of(model)
     return KeptPerToken(
@@ -160,19 +166,13 @@ def block_bytes_per_token(job: Job, fused_swiglu: bool = True, float8_inputs: bo
 
 
 def activation_bytes_per_block(
-    job: Job,
-    layout: Layout,
-    moe: bool = False,
-    materialized_scores: bool = False,
-    fused_swiglu: bool = True,
-    float8_inputs: bool = False,
-    weighted_activation: bool = False,
+    job: Job, layout: Layout, moe: bool = False, features: Features = DEFAULT_SYSTEM
 ) -> float:
-    """Activations one block keeps for its backward, per micro-batch, on one device
-    (`block_bytes_per_token`); with `moe`, a block whose MLP is a mixture-of-experts layer
-    (`megascale.plan.experts`, `weighted_activation` as in `moe_activation_bytes`); with
-    `materialized_scores`, attention without a FlashAttention kernel, which keeps its softmax's output
-    (and with dropout the mask and the dropped-out scores: Korthikanti et al.'s 5as/h)."""
+    """Activations one block keeps for its backward, per micro-batch, on one device, as the system
+    (`features`) keeps them (`block_bytes_per_token`); with `moe`, a block whose MLP is a mixture-of-experts
+    layer (`moe_activation_bytes`, as `Features.moe_weighted_activation` says); where the system's attention
+    materialises its scores (no FlashAttention kernel), its softmax's output too (and with dropout the mask
+    and the dropped-out scores: Korthikanti et al.'s 5as/h)."""
     s, b, t = layout.local_seq_len(job), layout.micro_batch, layout.tp
     scale = job.precision.activation_bytes / 2  # the counts are of 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
@@ -182,23 +182,21 @@ def activation_bytes_per_block(
         if share == 1.0:
             return block_input
         whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
-        whole_bytes = activation_bytes_per_block(
-            job, whole, moe, materialized_scores, fused_swiglu, float8_inputs, weighted_activation
-        )
+        whole_bytes = activation_bytes_per_block(job, whole, moe, features)
         return share * block_input + (1 - share) * whole_bytes
     if layout.recompute == "op":
         model = job.model
         op_kept = model.dim / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
         op_kept += sum(n_out for _, n_out in linear_shapes(model, t)[0::2])  # as each rank computes them
         return s * b * op_kept * job.precision.activation_bytes
-    kept = block_bytes_per_token(job, fused_swiglu, float8_inputs)
+    kept = block_bytes_per_token(job, features)
     if moe:  # the MLP's own count is the MoE layer's (`moe_activation_bytes`)
         kept = KeptPerToken(kept.split - kept.mlp_split, kept.by_tp - kept.mlp_by_tp, 0.0, 0.0)
     per_token = kept.split / (t if sharded else 1) + kept.by_tp / t
     dense = s * b * per_token * scale
-    if materialized_scores and layout.recompute == "none":
+    if features.attention == "materialized" and layout.recompute == "none":
         dense += (5 if job.dropout else 2) * job.model.attention.n_heads * s * job.seq_len * b / t * scale
-    return dense + moe_activation_bytes(job, layout, weighted_activation) if moe else dense
+    return dense + moe_activation_bytes(job, layout, features.moe_weighted_activation) if moe else dense
 
 
 def trainer_block_bytes(job: Job, layout: Layout, on_cpu: bool = False) -> float:
@@ -253,24 +251,15 @@ def micro_batches_in_flight(job: Job, layout: Layout) -> float:
 
 
 def memory_per_device(
-    job: Job,
-    layout: Layout,
-    materialized_scores: bool = False,
-    own_blocks: bool = False,
-    on_cpu: bool = False,
-    grads_as_made: bool = False,
-    logit_bytes: int = 8,
-    fused_swiglu: bool = True,
-    float8_inputs: bool = False,
-    weighted_activation: bool = False,
+    job: Job, layout: Layout, features: Features = DEFAULT_SYSTEM, on_cpu: bool = False
 ) -> Memory:
-    """Peak bytes on the busiest device (`materialized_scores`: attention without a FlashAttention
-    kernel; `own_blocks`: dense blocks counted as megascale's model saves them, `trainer_block_bytes`;
-    `on_cpu`: a CPU, where the model picks its own kernels and offload fetches nothing ahead;
-    `grads_as_made`: gradients allocated as the backward makes them, by autograd and FSDP, rather than in
-    a buffer held through the step, as Megatron-LM's and DeepSpeed's contiguous gradient buffers are;
-    `logit_bytes`: what the loss keeps per logit, `Features.loss_bytes_per_logit`; `fused_swiglu` and
-    `float8_inputs`: see `block_bytes_per_token`; `weighted_activation`: see `moe_activation_bytes`)."""
+    """Peak bytes on the busiest device, as the system (`features`) keeps its tensors: its blocks'
+    activations (`activation_bytes_per_block`, or as megascale's model saves them where
+    `Features.own_blocks`, `trainer_block_bytes`), its gradients allocated as the backward makes them
+    (`Features.grads_as_made`: autograd's and FSDP's) or in a buffer held through the step (Megatron-LM's
+    and DeepSpeed's contiguous gradient buffers), and what its loss keeps per logit
+    (`Features.loss_bytes_per_logit`). `on_cpu`: a CPU, where the model picks its own kernels and offload
+    fetches nothing ahead."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -286,16 +275,12 @@ def memory_per_device(
     optimizer = held(precision.optimizer_bytes, 1)
     blocks = most_blocks(job, layout)
     moe_blocks = min(blocks, moe_layers(job.model))
-    if own_blocks:
+    if features.own_blocks:
         dense = trainer_block_bytes(job, layout, on_cpu)
     else:
-        dense = activation_bytes_per_block(
-            job, layout, False, materialized_scores, fused_swiglu, float8_inputs
-        )
+        dense = activation_bytes_per_block(job, layout, False, features)
     per_micro_batch = (blocks - moe_blocks) * dense
-    per_micro_batch += moe_blocks * activation_bytes_per_block(
-        job, layout, True, materialized_scores, fused_swiglu, float8_inputs, weighted_activation
-    )
+    per_micro_batch += moe_blocks * activation_bytes_per_block(job, layout, True, features)
     in_flight = micro_batches_in_flight(job, layout)
     held_blocks = blocks * in_flight
     if layout.offload:
@@ -304,18 +289,16 @@ def memory_per_device(
     if layout.recompute == "full":  # the block whose forward is recomputed holds all of it for its backward
         whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
         moe = moe_blocks == blocks
-        if own_blocks and not moe:
+        if features.own_blocks and not moe:
             working = trainer_block_bytes(job, whole, on_cpu)
         else:
-            working = activation_bytes_per_block(
-                job, whole, moe, materialized_scores, fused_swiglu, float8_inputs, weighted_activation
-            )
+            working = activation_bytes_per_block(job, whole, moe, features)
     tokens = layout.micro_batch * layout.local_seq_len(job)
-    logits = logit_bytes * tokens * job.model.vocab_size / layout.tp
+    logits = features.loss_bytes_per_logit * tokens * job.model.vocab_size / layout.tp
     saved = per_micro_batch / blocks
     other = ring_buffer_bytes(job, layout)
     # Every gradient is there from the first backward on: held in a buffer, or made by an earlier micro-batch.
-    if not grads_as_made or layout.pp > 1 or layout.micro_batches(job) > 1:
+    if not features.grads_as_made or layout.pp > 1 or layout.micro_batches(job) > 1:
         return Memory(weights, grads, optimizer, saved * held_blocks + working + logits + other)
     block_grads = grads * (1 - vocab_params(job, layout) / sum(g.params for g in groups)) / blocks
     moments = backward_moments(layout, grads, block_grads, saved, working, blocks, fetch_ahead=not on_cpu)

@@ -153,19 +153,7 @@ def estimate_step(
     step_s = sum(terms.values())
     tokens_per_s = job.tokens_per_step / step_s
     peak = cluster.devices * profile.peak_flops(job.dtype)
-    materialized = not features.fused_kernels and features.attention_kernel == "materialized"
-    memory = memory_per_device(
-        job,
-        layout,
-        materialized,
-        features.own_blocks,
-        on_cpu=profile.host_cores > 0,
-        grads_as_made=features.grads_as_made,
-        logit_bytes=features.loss_bytes_per_logit,
-        fused_swiglu=features.elementwise != "eager",
-        float8_inputs=features.float8_keeps_inputs,
-        weighted_activation=features.moe_weighted_activation,
-    )
+    memory = memory_per_device(job, layout, features, on_cpu=profile.host_cores > 0)
     return StepEstimate(
         terms, tokens_per_s, tokens_per_s * flops_per_token(model, job.seq_len) / peak, memory, m
     )

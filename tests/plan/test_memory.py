@@ -4,7 +4,15 @@ import dataclasses
 
 import pytest
 
-from megascale.plan.job import FP32_WEIGHTS, FP32_WEIGHTS_BF16_GATHERS, MIXED_BF16, Job, Layout
+from megascale.plan.job import (
+    FP32_WEIGHTS,
+    FP32_WEIGHTS_BF16_GATHERS,
+    MEGASCALE_TRAINER,
+    MIXED_BF16,
+    Features,
+    Job,
+    Layout,
+)
 from megascale.plan.memory import activation_bytes_per_block, memory_per_device, stage_params
 from tests.parallel.tiny import tiny_model_config
 
@@ -17,6 +25,11 @@ JOB = Job(tiny_model_config(), seq_len=32, global_batch=8, dtype="float32", prec
 # inputs and the two inputs of the column-parallel layers (4 x 2 x 64), queries and keys (2 x (64 + 32)),
 # values (2 x 32), the attention's output (2 x 64), SwiGLU's gate, up and product (3 x 2 x 192).
 KEPT_PER_TOKEN = 4 * 2 * 64 + 2 * (64 + 32) + 2 * 32 + 2 * 64 + 3 * 2 * 192
+# Systems that keep tensors otherwise than the default one does (`Features`).
+EAGER = Features(elementwise="eager")  # torch's eager SwiGLU: SiLU's output kept too
+FLOAT8_INPUTS = Features(float8_keeps_inputs=True)  # Transformer Engine's float8 copies of the inputs
+MATERIALIZED = Features(attention_kernel="materialized")  # attention's scores materialised
+AS_MADE = Features(grads_as_made=True)  # gradients made by the backward, not held in a buffer
 
 
 def test_parameters_of_the_heaviest_stage():
@@ -86,12 +99,12 @@ def test_activations_follow_the_blocks_tensors_and_shrink_with_recomputation():
         activation_bytes_per_block(JOB, no_sp)
         == s * b * (whole_on_each + (KEPT_PER_TOKEN - whole_on_each) / 2) * 2
     )
-    eager = activation_bytes_per_block(JOB, layout, fused_swiglu=False)  # SiLU's output kept too
+    eager = activation_bytes_per_block(JOB, layout, features=EAGER)  # SiLU's output kept too
     assert eager - activation_bytes_per_block(JOB, layout) == s * b * 2 * 192 * 2
     memory = memory_per_device(JOB, layout)
     logits = 2 * 4 * b * s * 96
     assert memory.activations_bytes == 2 * s * b * KEPT_PER_TOKEN * 2 + logits
-    fused_loss = memory_per_device(JOB, layout, logit_bytes=4)  # bfloat16 logits and gradient
+    fused_loss = memory_per_device(JOB, layout, Features(loss_bytes_per_logit=4))  # bfloat16 logits, gradient
     assert memory.activations_bytes - fused_loss.activations_bytes == logits / 2
 
 
@@ -104,10 +117,11 @@ def test_transformer_engines_float8_layers_keep_their_inputs_in_float8():
     job = dataclasses.replace(JOB, dtype="bfloat16", precision=MIXED_BF16, fp8=True)
     bf16_inputs = activation_bytes_per_block(job, layout)
     assert bf16_inputs == s * b * KEPT_PER_TOKEN  # torchao's: as in bfloat16
-    float8_inputs = activation_bytes_per_block(job, layout, float8_inputs=True)
+    float8_inputs = activation_bytes_per_block(job, layout, features=FLOAT8_INPUTS)
     assert bf16_inputs - float8_inputs == s * b * (2 * h + ffn - q)
-    assert activation_bytes_per_block(JOB, layout, float8_inputs=True) == s * b * KEPT_PER_TOKEN * 2  # no fp8
-    memory = memory_per_device(job, layout, float8_inputs=True)
+    no_fp8 = activation_bytes_per_block(JOB, layout, features=FLOAT8_INPUTS)
+    assert no_fp8 == s * b * KEPT_PER_TOKEN * 2  # a job without float8 keeps its bfloat16 inputs
+    memory = memory_per_device(job, layout, FLOAT8_INPUTS)
     assert memory_per_device(job, layout).activations_bytes - memory.activations_bytes == 2 * s * b * (
         2 * h + ffn - q
     )
@@ -132,17 +146,17 @@ def test_materialised_attention_scores_are_kept_unless_recomputed():
     job = Job(MODEL_175B, 2048, 64, dropout=True)
     layout = Layout(tp=8, pp=8, dp=1, recompute="none")
     flash = memory_per_device(job, layout).activations_bytes
-    materialized = memory_per_device(job, layout, materialized_scores=True).activations_bytes
+    materialized = memory_per_device(job, layout, MATERIALIZED).activations_bytes
     scores_per_layer = 5 * MODEL_175B.attention.n_heads * 2048**2 / 8
     in_flight = 8  # the first stage's micro-batches under 1F1B
     assert materialized - flash == pytest.approx(12 * scores_per_layer * in_flight, rel=1e-6)
     without_dropout = dataclasses.replace(job, dropout=False)
-    kept = memory_per_device(without_dropout, layout, materialized_scores=True).activations_bytes
+    kept = memory_per_device(without_dropout, layout, MATERIALIZED).activations_bytes
     assert kept - memory_per_device(without_dropout, layout).activations_bytes == pytest.approx(
         12 * scores_per_layer * 2 / 5 * in_flight, rel=1e-6
     )
     selective = dataclasses.replace(layout, recompute="selective")
-    assert memory_per_device(job, selective, materialized_scores=True).activations_bytes == pytest.approx(
+    assert memory_per_device(job, selective, MATERIALIZED).activations_bytes == pytest.approx(
         memory_per_device(job, selective).activations_bytes
     )
 
@@ -264,7 +278,7 @@ def test_full_recomputation_holds_every_blocks_input_and_the_recomputed_block_wh
     assert memory_per_device(JOB, full).activations_bytes == layers * kept + whole + logits
     from megascale.plan.memory import trainer_block_bytes
 
-    own = memory_per_device(JOB, full, own_blocks=True).activations_bytes
+    own = memory_per_device(JOB, full, Features(own_blocks=True)).activations_bytes
     assert own == layers * trainer_block_bytes(JOB, full) + trainer_block_bytes(JOB, none) + logits
 
 
@@ -281,11 +295,11 @@ def test_a_single_micro_batch_peaks_where_held_activations_and_gradients_made_we
     job = dataclasses.replace(JOB, global_batch=2)
     s, b, layers = 32, 2, 2
     logits, activations = 2 * 4 * b * s * 96, layers * s * b * KEPT_PER_TOKEN * 2
-    plain = memory_per_device(job, Layout(micro_batch=b, recompute="none"), grads_as_made=True)
+    plain = memory_per_device(job, Layout(micro_batch=b, recompute="none"), AS_MADE)
     at_loss, in_last_block = activations + logits, activations + 4 * (EMBEDDINGS + BLOCK)
     assert plain.activations_bytes + plain.grads_bytes == max(at_loss, in_last_block)
     full = Layout(micro_batch=b, recompute="full", offload=True)
-    peak = memory_per_device(job, full, own_blocks=True, on_cpu=True, grads_as_made=True)
+    peak = memory_per_device(job, full, MEGASCALE_TRAINER, on_cpu=True)
     whole = trainer_block_bytes(job, dataclasses.replace(full, recompute="none"), on_cpu=True)
     assert peak.activations_bytes == pytest.approx(trainer_block_bytes(job, full) + whole)
     assert peak.grads_bytes == pytest.approx(memory_per_device(JOB, full).grads_bytes)  # all of them
@@ -296,7 +310,7 @@ def test_a_gradient_buffer_holds_every_gradient_through_a_single_micro_batch():
     micro-batch peaks at its activations plus every gradient, where autograd's would peak lower."""
     job = dataclasses.replace(JOB, global_batch=2)
     layout = Layout(micro_batch=2, recompute="none")
-    buffered, made = memory_per_device(job, layout), memory_per_device(job, layout, grads_as_made=True)
+    buffered, made = memory_per_device(job, layout), memory_per_device(job, layout, AS_MADE)
     assert buffered.grads_bytes == 4 * (2 * BLOCK + EMBEDDINGS)
     s, b = 32, 2
     assert buffered.activations_bytes == 2 * s * b * KEPT_PER_TOKEN * 2 + 2 * 4 * b * s * 96  # blocks, logits
