@@ -143,9 +143,9 @@ def block_bytes_per_token(job: Job, features: Features = DEFAULT_SYSTEM) -> Kept
     too). A GPT block (multi-head attention, a 4h GeLU MLP, dropout) is their 10 + 24 = 34 sbh; grouped-
     query attention keeps narrower keys and values, a SwiGLU MLP more. Where the system keeps float8 inputs
     (`Features.float8_keeps_inputs`), a float8 job's linear layers keep the inputs they read at a byte an
-    element, as Transformer Engine's do: the
-    norms' outputs and the MLP's last ffn-wide tensor, which nothing else keeps, in float8 only; the
-    attention's output, which the attention kernel keeps for its own backward, in both."""
+    element, as Transformer Engine's do: the norms' outputs and the MLP's last ffn-wide tensor, which
+    nothing else keeps, in float8 only; the attention's output, which the attention kernel keeps for its
+    own backward, in both."""
     model = job.model
     h, head = model.dim, head_dim_of(model)
     q, kv = model.attention.n_heads * head, model.attention.n_kv_heads * head
