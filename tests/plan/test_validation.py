@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from megascale.models.flops import num_params
 from megascale.plan import validation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,10 +34,10 @@ def test_sc21s_rows_reduce_float16_gradients_as_its_scripts_trained():
     rank's 39B / 16 parameters over 32 nodes, half the bytes of a float32 one."""
     (row,) = [row for row in validation.sc21() if row.label == "39B tp8 pp2 on 512"]
     assert row.job.precision.grad_bytes == 2
-    float32 = dataclasses.replace(row, grad_bytes=4)
-    weights_s = 2 * row.predict().terms_s["dp_exposed"] - float32.predict().terms_s["dp_exposed"]
-    reduce_s = row.predict().terms_s["dp_exposed"] - weights_s  # the gradients' reduce-scatter
-    params = validation.num_params(row.model) / 16
+    float16_s = row.predict().terms_s["dp_exposed"]
+    float32_s = dataclasses.replace(row, grad_bytes=4).predict().terms_s["dp_exposed"]
+    reduce_s = float32_s - float16_s  # the float16 reduce-scatter: a float32 one moves twice its bytes
+    params = num_params(row.model) / 16
     link = row.source.profile.inter_node_bytes_per_s * row.source.profile.network_efficiency
     assert reduce_s == pytest.approx(31 / 32 * 2 * params / link, rel=0.02)
 
