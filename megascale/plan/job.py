@@ -198,6 +198,10 @@ class Features:
     # (Megatron-LM from September 2021, LinearWithGradAccumulationAndAsyncCommunication).
     tp_backward_overlap: bool = False
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
+    # How a blocking pipeline exchanges with a neighbour: "paired", each send beside the receive it waits
+    # for in one batch (Megatron-LM's batch_isend_irecv), or "each", every send and receive its own
+    # blocking call (DeepSpeed's pipeline engine: deepspeed/runtime/pipe/p2p.py refuses async_op).
+    pp_exchange: str = "paired"
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     # Whether that overlap holds with a pipeline too: Megatron-LM in 2021-2022 ran torch's DDP, whose
     # buckets reduce behind the last micro-batch's backward, only without one (systems.MEGATRON_2021).

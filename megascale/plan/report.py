@@ -63,8 +63,9 @@ EXPLAIN = {
     "ep_exposed": "expert-parallel dispatch and combine all-to-alls not hidden behind the experts' GEMMs",
     "cp_exposed": "context parallelism's ring: keys, values and their gradients sent to the next rank, "
     "what outlasts each ring step's attention blocks (all of it without CP overlap)",
-    "pp_exposed": "pipeline sends/receives on the critical path: all of them when blocking; with PP overlap "
-    "2 (p - 1)/p transfers a micro-batch under 1F1B, 2 (pv - 1) a step interleaved, 4 (p - 1) on a V",
+    "pp_exposed": "pipeline sends/receives on the critical path: all of them when blocking (4 m + 2 (p - 4) "
+    "a step where each is its own call); with PP overlap 2 (p - 1)/p transfers a micro-batch under 1F1B, "
+    "2 (pv - 1) a step interleaved, 4 (p - 1) on a V",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
     "stragglers": "expected wait for the slowest host (--straggler-hosts, --straggler-slowdown)",
     "core_sharing": "too few CPU cores: all processes' core time over the cores, past the critical path",

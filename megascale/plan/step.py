@@ -125,7 +125,7 @@ def estimate_step(
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s
     forward_s = per_micro_batch(lambda block, moe: block.total_s - block.recompute_s) / 3
     pp_exposed_s = _pp_exposed_seconds(job, layout, profile, features, m, forward_s)
-    if not features.pp_overlap:  # each micro-batch's turn waits for its transfers
+    if not features.pp_overlap and features.pp_exchange == "paired":  # each turn waits for its transfers
         micro_batch_s += pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
@@ -295,13 +295,37 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
 def _pp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, m: int, forward_s: float
 ) -> float:
-    """Pipeline transfer seconds on the critical path, per micro-batch: all of them when blocking; with
-    asynchronous sends and receives what the schedule's order waits for over the step
-    (`_overlapped_pp_seconds`, given a micro-batch's `forward_s` through the stage)."""
+    """Pipeline transfer seconds on the critical path, per micro-batch: all of them when blocking and
+    paired (each micro-batch's turn through a stage waits for them); blocking one call at a time, what
+    that order waits for over the step (`_sequential_pp_seconds`); with asynchronous sends and receives
+    what the schedule's order waits for over the step (`_overlapped_pp_seconds`, given a micro-batch's
+    `forward_s` through the stage)."""
     transfers_s = _pp_seconds(job, layout, profile, features)
-    if not features.pp_overlap:
-        return transfers_s
-    return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
+    if features.pp_overlap:
+        return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
+    if features.pp_exchange == "each":
+        return _sequential_pp_seconds(layout, m, transfers_s) / m
+    return transfers_s
+
+
+def _sequential_pp_seconds(layout: Layout, m: int, transfers_s: float) -> float:
+    """Transfer seconds a step waits for when every send and receive is its own blocking call, in
+    DeepSpeed's 1F1B order (`TrainSchedule`: a stage receives a micro-batch's activation and sends the
+    previous one's gradient before each forward, sends the activation and receives the gradient before
+    each backward), given `transfers_s`, a micro-batch's 2 transfers through a stage.
+
+    Replaying that order (tests/plan/test_step.py) with any forward, backward and transfer times, each
+    call done when both ends have reached it: a stage with two neighbours waits for all four of its
+    transfers of every micro-batch, 4 m, and the fill and drain 2 (p - 4) net; with two stages, each
+    with one neighbour, 2 m; with one micro-batch, its way there and back, 2 (p - 1). Exact: the
+    calls' order leaves no transfer beside compute. Megatron-LM's blocking exchanges pair the send
+    with the receive it waits for, so their transfers go in twos (`_pp_exposed_seconds`)."""
+    if layout.virtual_stages > 1 or layout.zero_bubble:
+        raise ValueError(f"plan: layout {layout.describe()}: a pipeline of blocking calls runs 1F1B only")
+    p, transfer_s = layout.pp, transfers_s / 2
+    if m == 1:
+        return 2 * (p - 1) * transfer_s
+    return (2 * m if p == 2 else 4 * m + 2 * (p - 4)) * transfer_s
 
 
 def _overlapped_pp_seconds(layout: Layout, m: int, transfers_s: float, forward_s: float) -> float:

@@ -464,6 +464,7 @@ BLOOM = Source(
         uneven_stages=True,
         interleaved_min_pp=None,
         dp_overlap=False,  # DeepSpeed's ZeRO-1 reduces after the backward (no hooks: DeepSpeed PR 1246)
+        pp_exchange="each",  # its pipeline engine's sends and receives, each a blocking call
     ),
     profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
     assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "
