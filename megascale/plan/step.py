@@ -125,7 +125,7 @@ def estimate_step(
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s
     forward_s = per_micro_batch(lambda block, moe: block.total_s - block.recompute_s) / 3
     pp_exposed_s = _pp_exposed_seconds(job, layout, profile, features, m, forward_s)
-    if not features.pp_overlap and features.pp_exchange == "paired":  # each turn waits for its transfers
+    if not features.pp_overlap and features.pp_exchange != "each":  # each turn waits for its transfers
         micro_batch_s += pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
@@ -314,10 +314,10 @@ def _sequential_pp_seconds(layout: Layout, m: int, transfers_s: float) -> float:
     previous one's gradient before each forward, sends the activation and receives the gradient before
     each backward), given `transfers_s`, a micro-batch's 2 transfers through a stage.
 
-    Replaying that order (tests/plan/test_step.py) with any forward, backward and transfer times, each
-    call done when both ends have reached it: a stage with two neighbours waits for all four of its
-    transfers of every micro-batch, 4 m, and the fill and drain 2 (p - 4) net; with two stages, each
-    with one neighbour, 2 m; with one micro-batch, its way there and back, 2 (p - 1). Exact: the
+    Replaying that order (tests/plan/test_blocking_pipeline.py) with any forward, backward and transfer
+    times, each call done when both ends have reached it: a stage with two neighbours waits for all four
+    of its transfers of every micro-batch, 4 m, and the fill and drain 2 (p - 4) net; with two stages,
+    each with one neighbour, 2 m; with one micro-batch, its way there and back, 2 (p - 1). Exact: the
     calls' order leaves no transfer beside compute. Megatron-LM's blocking exchanges pair the send
     with the receive it waits for, so their transfers go in twos (`_pp_exposed_seconds`)."""
     if layout.virtual_stages > 1 or layout.zero_bubble:
