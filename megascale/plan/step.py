@@ -295,16 +295,20 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
 def _pp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, m: int, forward_s: float
 ) -> float:
-    """Pipeline transfer seconds on the critical path, per micro-batch: all of them when blocking and
-    paired (each micro-batch's turn through a stage waits for them); blocking one call at a time, what
-    that order waits for over the step (`_sequential_pp_seconds`); with asynchronous sends and receives
-    what the schedule's order waits for over the step (`_overlapped_pp_seconds`, given a micro-batch's
-    `forward_s` through the stage)."""
+    """Pipeline transfer seconds on the critical path, per micro-batch. Blocking and paired, each
+    micro-batch's turn through a stage waits for one exchange with each neighbour (two transfers, one
+    where two stages have a neighbour each): Megatron-LM's blocking 1F1B, replayed, waits within three
+    transfers a step of that, exactly at two stages (tests/plan/test_blocking_pipeline.py). Blocking one
+    call at a time, what that order waits for over the step (`_sequential_pp_seconds`). With
+    asynchronous sends and receives, what the schedule's order waits for over the step
+    (`_overlapped_pp_seconds`, given a micro-batch's `forward_s` through the stage)."""
     transfers_s = _pp_seconds(job, layout, profile, features)
     if features.pp_overlap:
         return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
     if features.pp_exchange == "each":
         return _sequential_pp_seconds(layout, m, transfers_s) / m
+    if layout.pp == 2 and layout.virtual_stages == 1:
+        return transfers_s / 2  # each stage has one neighbour: one paired exchange a micro-batch's turn
     return transfers_s
 
 

@@ -24,7 +24,7 @@ from megascale.plan.job import (
     layout_from_config,
 )
 from megascale.plan.paper import LAYOUT_175B, MODEL_175B, with_ptb_swa
-from megascale.plan.step import estimate_step
+from megascale.plan.step import _pp_seconds, estimate_step
 
 A100 = PROFILES["a100"]
 JOB = Job(with_ptb_swa(MODEL_175B), seq_len=2048, global_batch=768)
@@ -432,18 +432,16 @@ def waited_s(orders_and_owner, forward_s: float, transfer_s: float) -> float:
 def test_asynchronous_pipeline_transfers_leave_what_the_replayed_schedule_waits_for(
     pp, virtual_stages, micro_batches
 ):
-    """Blocking, a micro-batch waits for 2 v transfers (one a chunk, each way). Asynchronous, the step
-    waits for what Megatron's 1F1B order, replayed with the estimate's transfer and chunk times, waits
-    for beyond its compute: a share of each micro-batch's transfers without interleaving (exactly when
-    the micro-batches fill whole rounds of pp, within two transfers otherwise), one micro-batch's path
-    there and back with it."""
+    """Asynchronous, the step waits for what Megatron's 1F1B order, replayed with the estimate's transfer
+    (a micro-batch's 2 v a stage, one a chunk each way) and chunk times, waits for beyond its compute: a
+    share of each micro-batch's transfers without interleaving (exactly when the micro-batches fill whole
+    rounds of pp, within two transfers otherwise), one micro-batch's path there and back with it."""
     layout = Layout(**{**LAYOUT_175B, "pp": pp, "virtual_stages": virtual_stages, "dp": 2})
     layout = dataclasses.replace(layout, micro_batch=768 // (2 * micro_batches))
     cluster = Cluster(layout.devices)
-    blocking = estimate_step(JOB, layout, dataclasses.replace(MEGASCALE, pp_overlap=False), A100, cluster)
     overlapped = estimate_step(JOB, layout, MEGASCALE, A100, cluster)
     assert overlapped.micro_batches == micro_batches
-    transfer_s = blocking.terms_s["pp_exposed"] / (micro_batches * 2 * virtual_stages)
+    transfer_s = _pp_seconds(JOB, layout, A100, MEGASCALE) / (2 * virtual_stages)
     compute_s = sum(overlapped.terms_s[term] for term in ("gemm", "attention", "elementwise"))
     forward_s = compute_s / (3 * micro_batches * virtual_stages)  # a chunk's, for one micro-batch
     assert transfer_s < forward_s
