@@ -274,6 +274,13 @@ class Features:
     float8_keeps_inputs: bool = False
 
     @property
+    def pp_waits_each_turn(self) -> bool:
+        """Whether each micro-batch's turn through a stage waits for its pipeline transfers (blocking,
+        paired exchanges), so the bubble repeats them; otherwise the step waits once for what its
+        schedule's order leaves (`megascale.plan.step._pp_exposed_seconds`)."""
+        return not self.pp_overlap and self.pp_exchange != "each"
+
+    @property
     def host_stall_s(self) -> float:
         """What of the host's per-step work stalls the devices: none where data loading is asynchronous."""
         return 0.0 if self.async_data else self.host_overhead_s

@@ -125,7 +125,7 @@ def estimate_step(
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s
     forward_s = per_micro_batch(lambda block, moe: block.total_s - block.recompute_s) / 3
     pp_exposed_s = _pp_exposed_seconds(job, layout, profile, features, m, forward_s)
-    if not features.pp_overlap and features.pp_exchange != "each":  # each turn waits for its transfers
+    if features.pp_waits_each_turn:
         micro_batch_s += pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
@@ -305,7 +305,7 @@ def _pp_exposed_seconds(
     transfers_s = _pp_seconds(job, layout, profile, features)
     if features.pp_overlap:
         return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
-    if features.pp_exchange == "each":
+    if not features.pp_waits_each_turn:
         return _sequential_pp_seconds(layout, m, transfers_s) / m
     if layout.pp == 2 and layout.virtual_stages == 1:
         return transfers_s / 2  # each stage has one neighbour: one paired exchange a micro-batch's turn

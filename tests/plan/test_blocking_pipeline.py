@@ -142,7 +142,7 @@ def test_blooms_deepspeed_pipeline_waits_for_its_transfers_one_call_at_a_time():
     row = bloom()[0]
     estimate, paired = row.predict(), estimate_with_exchange(row, "paired")
     m, stages = estimate.micro_batches, row.layout.pp
-    transfer_s = paired.terms_s["pp_exposed"] / (2 * m)  # paired: two transfers a micro-batch's turn
+    transfer_s = _pp_seconds(row.job, row.layout, row.source.profile, row.source.features) / 2
     replayed = waited(deepspeed_train_order, stages, m, 1.0, 3.0, transfer_s)
     assert estimate.terms_s["pp_exposed"] == pytest.approx(replayed)
     assert estimate.terms_s["pp_exposed"] > 1.9 * paired.terms_s["pp_exposed"]
