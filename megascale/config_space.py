@@ -219,6 +219,7 @@ NEUTRAL: dict[str, str] = {
             "training.peak_tflops",
             "checkpoint.enabled",
             "checkpoint.every",
+            "checkpoint.snapshot_every",
             "checkpoint.keep",
             "checkpoint.location",
             "checkpoint.resume",

@@ -358,6 +358,8 @@ class Trainer(Stateful):
                     break
                 if self.cfg.checkpoint.enabled and (self.step % self.cfg.checkpoint.every == 0 or last):
                     self.save_checkpoint()
+                elif self.cfg.checkpoint.enabled and self._snapshot_due():
+                    self.snapshot()
                 if collector.due(self.step):
                     with self.timeline.span("gc", step=self.step):
                         collector.collect()
@@ -537,6 +539,16 @@ class Trainer(Stateful):
         if blocking:
             self.checkpointer.wait()
         return location
+
+    def snapshot(self) -> None:
+        """Copy the state into this node's memory (stage 1 alone): a restart on these nodes resumes here."""
+        descriptor = {"config": to_dict(self.cfg), "layout": self.parallel_dims.describe()}
+        with self.timeline.span("snapshot", step=self.step):
+            self.checkpointer.snapshot(self.step, self.checkpoint_state(), descriptor)
+
+    def _snapshot_due(self) -> bool:
+        every = self.cfg.checkpoint.snapshot_every
+        return every > 0 and self.step % every == 0
 
     # -- helpers -------------------------------------------------------------------------------------
     @contextlib.contextmanager

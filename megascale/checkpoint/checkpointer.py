@@ -6,7 +6,10 @@ In the background, DCP serialises that copy into a node-local directory in memor
 `manifest.json` last, with every file's size and CRC-32: a checkpoint without a manifest does not exist,
 so a crash at any moment leaves either the previous state or a complete new one. Under `megascale
 launch`, stage 2 runs in the node's executor, so a snapshot survives the crash of the training processes
-that took it; one still only in the buffers is written by the restarted processes (`recover_staged`).
+that took it. Between saves, `snapshot` takes stage 1 alone, a copy in memory written nowhere. A restart
+resumes from the newest snapshot every rank still holds in memory, when no committed checkpoint is newer
+(`restore_from_memory`: no storage read, the time of a memory copy); a save's snapshot that never reached
+storage is then written as the save would have.
 
 Loading verifies files against the manifest and falls back to the previous verified checkpoint, saying
 so. The newest `keep` committed checkpoints are kept; the newest verified one is never deleted.
@@ -27,13 +30,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from megascale.checkpoint.ledger import check_not_lost, record_commit, record_start
@@ -50,7 +51,7 @@ from megascale.checkpoint.manifest import (
 )
 from megascale.checkpoint.persist import PERSISTER, mark_ready, node_name, pending, persist, staging_root
 from megascale.checkpoint.resume import changes_since, check_resumable, init_from_path
-from megascale.checkpoint.snapshot import SnapshotBuffer, flatten, rebuild, split_leaves
+from megascale.checkpoint.snapshot import SnapshotSlots, flatten, load_into, split_leaves
 from megascale.checkpoint.stateful import ModelState
 from megascale.config import JobConfig
 from megascale.errors import CheckpointError
@@ -184,14 +185,8 @@ def _broadcast_state(state: dict[str, Any], source: int, group: dist.ProcessGrou
             local.copy_(staging)
     carried = [objects]
     dist.broadcast_object_list(carried, src=source, group=group)
-    if dist.get_rank() == source:
-        return
-    received = rebuild(tree, {**carried[0], **tensors})
-    for key, value in state.items():
-        if isinstance(value, Stateful):
-            value.load_state_dict(received[key])
-        else:
-            state[key] = received[key]
+    if dist.get_rank() != source:
+        load_into(state, tree, {**carried[0], **tensors})
 
 
 class Checkpointer:
@@ -218,7 +213,8 @@ class Checkpointer:
         self._stage_two: threading.Thread | None = None
         self._stage_two_error: BaseException | None = None
         self._stage_two_step: int | None = None
-        self._buffer: SnapshotBuffer | None = None
+        self._stage_two_slot: int | None = None  # the snapshot slot stage 2 reads from
+        self._slots: SnapshotSlots | None = None
         self.bytes_read = 0
 
     # -- saving ---------------------------------------------------------------------------------------
@@ -247,32 +243,49 @@ class Checkpointer:
             self._barrier()
             return location
 
-        staged_state = self._snapshot().take(state, {"step": step, "descriptor": descriptor})
+        staged_state = self._take(state, {"step": step, "descriptor": descriptor, "persist": True})
         log.info(
             "checkpoint: step %d in host memory after %.2f s; writing it in the background",
             step,
             time.perf_counter() - started,
         )
+        self._start_stage_two(step, staged_state, descriptor)
+        return location
+
+    def snapshot(self, step: int, state: dict[str, Any], descriptor: dict[str, Any]) -> None:
+        """Stage 1 alone: a copy of the state in this node's memory, written nowhere. A restart on the same
+        nodes resumes from it (`resume`), so a fault costs the steps since the newest snapshot rather than
+        since the newest checkpoint in storage."""
+        self._take(state, {"step": step, "descriptor": {"step": step, **descriptor}, "persist": False})
+
+    def _take(self, state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        """Stage 1 into the slot not holding the newest snapshot, once stage 2 no longer reads it."""
+        slots = self._snapshots()
+        if self._stage_two is not None and self._stage_two_slot == slots.next_slot():
+            self.wait()
+        return slots.take(state, meta)
+
+    def _start_stage_two(self, step: int, staged_state: dict[str, Any], descriptor: dict[str, Any]) -> None:
         self._stage_two_step = step
+        self._stage_two_slot = self._snapshots().newest
         self._stage_two = threading.Thread(
             target=self._in_background,
             args=(step, staged_state, descriptor),
             name="megascale-checkpoint-stage-2",
         )
         self._stage_two.start()
-        return location
 
     def prepare(self, state: dict[str, Any]) -> None:
-        """Allocate this rank's snapshot memory for `state` now rather than at the first save."""
-        if self.async_save:
-            self._snapshot().reserve(state)
+        """Allocate this rank's snapshot memory (two buffers of `state`'s size) now rather than at the
+        first snapshot."""
+        self._snapshots().reserve(state)
 
     def close(self) -> None:
         """Wait for the save in flight, then give this rank's snapshot memory back (the run is over)."""
         self.wait()
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
         root = staging_root(self.root)
         for directory in (root, root.parent):  # this job's staging directory, then megascale-<user>
             try:
@@ -280,11 +293,11 @@ class Checkpointer:
             except OSError:
                 break  # not empty (another job's, or a snapshot left for stage 2), or already gone
 
-    def _snapshot(self) -> SnapshotBuffer:
-        if self._buffer is None:
+    def _snapshots(self) -> SnapshotSlots:
+        if self._slots is None:
             rank = dist.get_rank() if _distributed() else 0
-            self._buffer = SnapshotBuffer(staging_root(self.root) / SNAPSHOTS, rank)
-        return self._buffer
+            self._slots = SnapshotSlots(staging_root(self.root) / SNAPSHOTS, rank)
+        return self._slots
 
     def _in_background(self, step: int, staged_state: dict[str, Any], descriptor: dict[str, Any]) -> None:
         try:
@@ -293,8 +306,9 @@ class Checkpointer:
             self._stage_two_error = err
 
     def _hand_over(self, step: int, staged_state: dict[str, Any], descriptor: dict[str, Any]) -> None:
-        """Serialise a snapshot with DCP into the node's staging directory, hand it to stage 2 (READY.json)
-        and release the buffer; then, unless the executor persists, persist it here. Collective."""
+        """Serialise a snapshot with DCP into the node's staging directory and hand it to stage 2
+        (READY.json); then, unless the executor persists, persist it here. Collective. The buffer keeps
+        the snapshot (and its record) until a later one overwrites it: a restart restores from it."""
         staged = staging_root(self.root) / step_dir_name(step)
         executor = os.environ.get(PERSISTER) == "executor"
         if _is_node_main():
@@ -326,8 +340,7 @@ class Checkpointer:
                 node=node_name(),
                 ledger=str(self.ledger.resolve()) if self.ledger else None,  # for another cwd
             )
-        self._barrier()  # every node has marked its share ready: the buffers are no longer the only copy
-        self._snapshot().release()
+        self._barrier()  # every node has marked its share ready
         if _is_node_main() and not executor:
             persist(staged)
 
@@ -342,64 +355,75 @@ class Checkpointer:
                 f"checkpoint: saving step {self._stage_two_step} failed: {error}"
             ) from error
 
-    def recover_staged(self, state: dict[str, Any]) -> None:
-        """Finish what a crashed predecessor left in this node's memory. Collective.
-
-        Staged snapshots that were complete are persisted (under `megascale launch` the executor does
-        this; here we wait for it), incomplete ones dropped. Then, if every rank holds a snapshot of the
-        same step in its buffer, laid out as `state` is, and that step is newer than every committed
-        checkpoint, it is written and committed now: a crash just after stage 1 loses nothing."""
+    def persist_leftovers(self) -> None:
+        """Finish what a crashed predecessor left serialised in this node's memory: each complete snapshot
+        is persisted, anything else dropped. Collective. Under `megascale launch` the executor persists
+        them; this waits for it (`wait_for_executor`)."""
         root = staging_root(self.root)
-        executor = os.environ.get(PERSISTER) == "executor"
         if _is_node_main() and root.is_dir():
-            if executor:
-                deadline = time.monotonic() + 600
-                while pending(root) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            else:
-                for staged in pending(root):
-                    log.info(
-                        "checkpoint: persisting %s, left in host memory by the previous run", staged.name
-                    )
-                    try:
-                        persist(staged)
-                    except Exception as err:  # noqa: BLE001 (a lost snapshot: the previous checkpoint serves)
-                        log.warning("checkpoint: could not persist %s (%s); it is dropped", staged.name, err)
-                for leftover in root.iterdir():
-                    if leftover.name != SNAPSHOTS:
-                        shutil.rmtree(leftover, ignore_errors=True)
+            for staged in pending(root):
+                log.info("checkpoint: persisting %s, left in host memory by the previous run", staged.name)
+                try:
+                    persist(staged)
+                except Exception as err:  # noqa: BLE001 (a lost snapshot: the previous checkpoint serves)
+                    log.warning("checkpoint: could not persist %s (%s); it is dropped", staged.name, err)
+            for leftover in root.iterdir():
+                if leftover.name != SNAPSHOTS:
+                    shutil.rmtree(leftover, ignore_errors=True)
         self._barrier()
-        if not self.async_save:
-            return
-        restored = self._snapshot().restore(state)
-        committed = list_checkpoints(self.root)
-        step = restored[0]["step"] if restored is not None else -1
-        # MIN over ranks gives the lowest step held, minus the highest, and minus the newest committed.
-        votes = torch.tensor([step, -step, -(committed[-1][0] if committed else -1)], dtype=torch.int64)
-        if _distributed():
-            dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.process_group)
-        lowest, highest, newest = int(votes[0]), -int(votes[1]), -int(votes[2])
-        if restored is None or lowest < 0 or lowest != highest or lowest <= newest:
-            if highest > newest:
-                log.warning(
-                    "checkpoint: a snapshot of step %d is in memory but not on every rank in this layout "
-                    "(steps %d to %d held); resuming from the newest committed checkpoint",
-                    highest,
-                    lowest,
-                    highest,
-                )
-            self._snapshot().release()
-            return
-        log.warning(
-            "checkpoint: step %d was only in host memory when the previous run stopped; writing it now",
-            lowest,
-        )
-        meta, staged_state = restored
-        self._hand_over(lowest, staged_state, meta["descriptor"])
-        if executor and _is_node_main():
-            while pending(root):
+
+    def wait_for_executor(self, timeout_s: float = 600.0) -> None:
+        """Until this node's executor has persisted the snapshots the previous processes left. Collective."""
+        root = staging_root(self.root)
+        if _is_node_main():
+            deadline = time.monotonic() + timeout_s
+            while pending(root) and time.monotonic() < deadline:
                 time.sleep(0.1)
         self._barrier()
+
+    def restore_from_memory(self, state: dict[str, Any], cfg: JobConfig) -> dict[str, Any] | None:
+        """Load into `state` the newest snapshot that every rank still holds in its node's memory, when it
+        is at least as new as the newest committed checkpoint and laid out as `state` is; returns its
+        descriptor, or None (nothing read). Collective.
+
+        No storage is read: a restart on the same nodes (the driver's standby, or any restart that keeps
+        each rank on its node) resumes in the time of a memory copy. A snapshot that a save took and that
+        never reached storage, nor is waiting for stage 2 on any node, is handed to stage 2 now, in the
+        background, as the save would have: a crash just after stage 1 loses nothing."""
+        slots, tree = self._snapshots(), flatten(state)
+        held = slots.held(state, tree)
+        committed = list_checkpoints(self.root)
+        newest_committed = committed[-1][0] if committed else -1
+        staged = [int(path.name.split("-")[1]) for path in pending(staging_root(self.root))]
+        mine = (sorted(held), newest_committed, staged)
+        views: list[Any] = [mine]
+        if _distributed():
+            views = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(views, mine, group=self.process_group)
+        common = set.intersection(*(set(steps) for steps, _, _ in views))
+        newest_committed = max(newest for _, newest, _ in views)
+        step = max(common, default=-1)
+        if step < 0 or step < newest_committed:
+            newest_held = max((max(steps, default=-1) for steps, _, _ in views), default=-1)
+            if newest_held > newest_committed:
+                log.warning(
+                    "checkpoint: a snapshot of step %d is in memory but not on every rank in this layout; "
+                    "resuming from the newest committed checkpoint",
+                    newest_held,
+                )
+            return None
+        meta = held[step]
+        descriptor = meta["descriptor"]
+        check_resumable(f"the snapshot of step {step} in host memory", descriptor, cfg)
+        staged_state = slots.restore_into(state, tree, step)
+        waiting = any(step in pending_steps for _, _, pending_steps in views)  # stage 2 has it
+        if meta.get("persist") and step > newest_committed and not waiting:
+            log.warning(
+                "checkpoint: step %d was only in host memory when the previous run stopped; writing it now",
+                step,
+            )
+            self._start_stage_two(step, staged_state, descriptor)
+        return descriptor
 
     # -- finding and loading --------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -448,14 +472,26 @@ class Checkpointer:
     def resume(
         self, state: dict[str, Any], cfg: JobConfig, *, layout: str, replicas: dist.ProcessGroup | None = None
     ) -> dict[str, Any] | None:
-        """Load the newest verified checkpoint into `state` (a snapshot a crashed predecessor left in memory
-        is persisted first), or, when the run starts afresh, `checkpoint.init_from`'s model weights into
-        `state["model"]`. Returns the resumed checkpoint's descriptor; None for a start from step 0.
+        """Load into `state` the newest snapshot every rank holds in memory (`restore_from_memory`), else
+        the newest verified checkpoint (snapshots a crashed predecessor left serialised are persisted
+        first), or, when the run starts afresh, `checkpoint.init_from`'s model weights into
+        `state["model"]`. Returns the resumed snapshot's or checkpoint's descriptor; None for a start from
+        step 0.
 
         Refused: checkpoints that all fail verification, and (unless `checkpoint.resume` is off) a run
         whose ledger shows commits that are all gone. `layout` (this job's, in words) is compared with the
         checkpoint's in the log line, which also says what the config changed since."""
-        self.recover_staged(state)
+        executor = os.environ.get(PERSISTER) == "executor"
+        if not executor:
+            self.persist_leftovers()
+        if cfg.checkpoint.resume and (descriptor := self.restore_from_memory(state, cfg)) is not None:
+            saved_layout, step = descriptor.get("layout", "1 process"), descriptor.get("step")
+            log.info("resumed from the snapshot of step %s in host memory (%s)", step, saved_layout)
+            if changes := changes_since(descriptor, cfg):
+                log.warning("resumed with settings changed since step %s: %s", step, "; ".join(changes))
+            return descriptor
+        if executor:
+            self.wait_for_executor()
         committed = list_checkpoints(self.root) if cfg.checkpoint.resume else []
         location = self.latest_verified() if committed else None
         if committed and location is None:

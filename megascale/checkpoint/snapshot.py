@@ -8,7 +8,10 @@ the snapshot to DCP's sharded format then runs in the background, from views of 
 
 Because the buffer is a file and not a process's memory, a snapshot outlives the process that took it:
 a record written after the copy says which step it holds and how its tensors are laid out, and a
-restarted process with the same layout recovers the snapshot from it (`restore`). torch's DCP stagers
+restarted process with the same layout recovers the snapshot from it (`restore`). Each rank keeps two
+buffers and takes them in turn (`SnapshotSlots`), so the previous snapshot stays whole while the next
+is copied: a rank killed in the middle of a copy, or killed after its peers took a snapshot it never
+reached, still holds one its peers hold too. torch's DCP stagers
 (`DefaultStager` with shared memory) copy into anonymous shared memory that dies with the process, and
 serialise once per save; that is why this is not them.
 
@@ -35,6 +38,7 @@ from megascale.parallel.tensor import local_shard, sharded_like
 log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes; every tensor starts on a cache line, which also satisfies any dtype's alignment
+SLOTS = ("a", "b")  # a rank's two buffers, taken in turn
 
 LeafPath = tuple[str, ...]
 
@@ -66,6 +70,17 @@ def rebuild(tree: Any, values: dict[LeafPath, Any], path: LeafPath = ()) -> Any:
     return values[path]
 
 
+def load_into(state: dict[str, Any], tree: dict[str, Any], values: dict[LeafPath, Any]) -> None:
+    """Give each top-level entry of `state` its part of `tree` (the state as `flatten` described it)
+    rebuilt from `values`: a `Stateful` through load_state_dict, anything else by replacement."""
+    received = rebuild(tree, values)
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(received[key])
+        else:
+            state[key] = received[key]
+
+
 def _signature(path: LeafPath, tensor: torch.Tensor) -> tuple:
     """What identifies a tensor's bytes: its name, dtype, local shape, and for a DTensor which shard."""
     local = local_shard(tensor)
@@ -89,12 +104,13 @@ def _offsets(tensors: dict[LeafPath, torch.Tensor]) -> tuple[dict[LeafPath, int]
 
 
 class SnapshotBuffer:
-    """One rank's snapshot buffer `rank-R.bin` and its record `rank-R.snapshot` in `directory`."""
+    """One of a rank's snapshot buffers, `rank-R-S.bin`, and its record `rank-R-S.snapshot` in `directory`
+    (S names the slot)."""
 
-    def __init__(self, directory: Path, rank: int):
+    def __init__(self, directory: Path, rank: int, slot: str = SLOTS[0]):
         self.directory = Path(directory)
-        self.data_path = self.directory / f"rank-{rank:05d}.bin"
-        self.record_path = self.directory / f"rank-{rank:05d}.snapshot"
+        self.data_path = self.directory / f"rank-{rank:05d}-{slot}.bin"
+        self.record_path = self.directory / f"rank-{rank:05d}-{slot}.snapshot"
         self._buffer: torch.Tensor | None = None
 
     # -- taking ----------------------------------------------------------------------------------------
@@ -141,13 +157,19 @@ class SnapshotBuffer:
             pass  # other ranks' buffers are still there
 
     # -- recovering ------------------------------------------------------------------------------------
-    def restore(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def restore(
+        self, state: dict[str, Any], tree: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """A snapshot a previous process left, as (meta, state as views of the buffer), if its tensors
-        are laid out exactly as `state`'s (same names, dtypes and shards); else None."""
-        if not self.record_path.exists() or not self.data_path.exists():
+        are laid out exactly as `state`'s (same names, dtypes and shards); else None. `tree`: `state`
+        already flattened, where the caller has it."""
+        try:
+            record = pickle.loads(self.record_path.read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None  # none, or one being replaced
+        if not self.data_path.exists():
             return None
-        record = pickle.loads(self.record_path.read_bytes())
-        tree = flatten(state)
+        tree = flatten(state) if tree is None else tree
         tensors, expected_objects = split_leaves(tree)
         layout = [_signature(path, tensor) for path, tensor in tensors.items()]
         offsets, size = _offsets(tensors)
@@ -191,3 +213,58 @@ class SnapshotBuffer:
         assert self._buffer is not None
         nbytes = like.numel() * like.element_size()
         return self._buffer[offset : offset + nbytes].view(like.dtype).view(like.shape)
+
+
+class SnapshotSlots:
+    """A rank's two snapshot buffers, taken in turn, so that the newest snapshot is never the one being
+    overwritten. `newest` is the slot holding the newest snapshot this process took or restored."""
+
+    def __init__(self, directory: Path, rank: int):
+        self.buffers = [SnapshotBuffer(directory, rank, slot) for slot in SLOTS]
+        self.newest: int | None = None
+        self._held: dict[int, tuple[int, dict[str, Any], dict[str, Any]]] = {}  # step -> (slot, meta, views)
+
+    def next_slot(self) -> int:
+        """The slot the next snapshot goes into: the one not holding the newest."""
+        return 0 if self.newest is None else 1 - self.newest
+
+    def reserve(self, state: dict[str, Any]) -> None:
+        for buffer in self.buffers:
+            buffer.reserve(state)
+
+    def take(self, state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        """Copy `state` into the next slot (see `SnapshotBuffer.take`); it becomes the newest."""
+        slot = self.next_slot()
+        staged = self.buffers[slot].take(state, meta)
+        self.newest = slot
+        self._held.clear()
+        return staged
+
+    def held(self, state: dict[str, Any], tree: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """The snapshots a previous process left in these slots that fit `state` (`tree`: it flattened), as
+        {step: meta}."""
+        self._held.clear()
+        for slot, buffer in enumerate(self.buffers):
+            restored = buffer.restore(state, tree)
+            if restored is not None:
+                meta, staged = restored
+                self._held[int(meta["step"])] = (slot, meta, staged)
+        return {step: meta for step, (_, meta, _) in sorted(self._held.items())}
+
+    def restore_into(self, state: dict[str, Any], tree: dict[str, Any], step: int) -> dict[str, Any]:
+        """Copy the held snapshot of `step` into `state`'s own tensors (never aliasing the buffer, which a
+        later snapshot overwrites) and load its other values; returns the snapshot as views of its buffer
+        (for stage 2). Call `held` first."""
+        slot, _, staged = self._held[step]
+        tensors, _ = split_leaves(tree)
+        staged_tensors, objects = split_leaves(staged)
+        for path, tensor in tensors.items():
+            local_shard(tensor).copy_(local_shard(staged_tensors[path]))
+        load_into(state, tree, {**objects, **tensors})
+        self.newest = slot
+        self._held.clear()
+        return staged
+
+    def close(self) -> None:
+        for buffer in self.buffers:
+            buffer.close()

@@ -175,6 +175,13 @@ class CheckpointConfig:
 
     enabled: bool = option(True, "Save checkpoints.")
     every: int = option(120, "Save every N steps (and at the last step, and on SIGINT/SIGTERM).", ge=1)
+    snapshot_every: int = option(
+        0,
+        "Also copy the state into the node's memory every N steps between saves (stage 1 alone, written "
+        "nowhere; two buffers a rank, taken in turn). A restart on the same nodes resumes from the newest "
+        "one, so a fault costs at most N steps instead of up to checkpoint.every; 0: only at saves.",
+        ge=0,
+    )
     keep: int = option(3, "Keep the newest K checkpoints.", ge=1)
     location: str | None = option(
         None,

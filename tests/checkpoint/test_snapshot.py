@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from megascale.checkpoint.checkpointer import Checkpointer, list_checkpoints
-from megascale.checkpoint.snapshot import SnapshotBuffer
+from megascale.checkpoint.snapshot import SnapshotBuffer, SnapshotSlots, flatten
 from megascale.checkpoint.stateful import ModelState
+from megascale.config import JobConfig
 from megascale.trainer import Trainer
 from tests.test_trainer import losses_by_step
 
@@ -81,11 +82,62 @@ def test_a_checkpointer_crashing_after_stage_one_loses_nothing(tmp_path):
 
     fresh = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     restarted = Checkpointer(tmp_path / "ckpt", keep=2)
-    restarted.recover_staged({"model": ModelState(fresh)})
-    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [5]
-    restarted.load(restarted.latest_verified(), {"model": ModelState(fresh)})
+    assert restarted.restore_from_memory({"model": ModelState(fresh)}, JobConfig())["step"] == 5
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, expected[name]), name
+    restarted.wait()  # the save's snapshot, never written, is written now
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [5]
+    reloaded = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    restarted.load(restarted.latest_verified(), {"model": ModelState(reloaded)})
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_a_memory_snapshot_is_restored_without_storage_and_never_aliases_its_buffer(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    expected = {name: value.clone() for name, value in model.state_dict().items()}
+    taker = Checkpointer(tmp_path / "ckpt", keep=2)
+    taker.snapshot(3, {"model": ModelState(model)}, {})
+
+    fresh = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    restarted = Checkpointer(tmp_path / "ckpt", keep=2)
+    assert restarted.restore_from_memory({"model": ModelState(fresh)}, JobConfig())["step"] == 3
+    restarted.wait()
+    assert list_checkpoints(tmp_path / "ckpt") == []  # a snapshot between saves is written nowhere
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    with torch.no_grad():  # training goes on in the restored tensors; the buffer keeps step 3
+        for param in fresh.parameters():
+            param.add_(1.0)
+    again = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    reader = Checkpointer(tmp_path / "ckpt", keep=2)
+    assert reader.restore_from_memory({"model": ModelState(again)}, JobConfig())["step"] == 3
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_a_rank_killed_while_copying_keeps_its_previous_snapshot(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    at_step_2 = {name: value.clone() for name, value in model.state_dict().items()}
+    slots = SnapshotSlots(tmp_path, rank=0)
+    slots.take({"model": ModelState(model)}, {"step": 2})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    slots.take({"model": ModelState(model)}, {"step": 4})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    # The third copy goes into step 2's slot; the process dies with the copy half done (no record yet).
+    slots.buffers[slots.next_slot()].release()
+    fresh = nn.Linear(8, 8)
+    state = {"model": ModelState(fresh)}
+    restarted = SnapshotSlots(tmp_path, rank=0)
+    tree = flatten(state)
+    assert list(restarted.held(state, tree)) == [4]
+    restarted.restore_into(state, tree, 4)
+    assert torch.equal(fresh.weight, at_step_2["weight"] + 1.0)
+    assert restarted.next_slot() != restarted.newest  # the next copy leaves step 4 whole
 
 
 def test_a_trainer_killed_right_after_stage_one_resumes_from_that_snapshot_exactly(

@@ -99,3 +99,35 @@ def test_a_snapshot_only_in_memory_is_recovered_by_the_restarted_ranks(tiny_corp
     data = tmp_path / "data"
     run_ranks(crash_after_stage_one, 4, tiny_corpus, data, tmp_path / "run")
     assert run_ranks(restarted_step, 4, tiny_corpus, data, tmp_path / "run") == [SAVE_AT] * 4
+
+
+SNAPSHOTS = ["--checkpoint.every=100", "--checkpoint.snapshot_every=2"]
+
+
+def killed_between_snapshots(rank, world_size, corpus, data_dir, run_dir):
+    """Every rank snapshots step 2; rank 3 dies after step 4's last collective, before its snapshot."""
+    trainer = trainer_for(corpus, data_dir, run_dir, *FSDP4, *SNAPSHOTS)
+    while trainer.step < 4:
+        trainer.train_step()
+        trainer.step += 1
+        if trainer.step == 2 or (trainer.step == 4 and rank != 3):
+            trainer.snapshot()
+
+
+def resumed_run(rank, world_size, corpus, data_dir, run_dir):
+    trainer = trainer_for(corpus, data_dir, run_dir, *FSDP4, *SNAPSHOTS)
+    resumed_from = trainer.step
+    trainer.train()
+    losses = {record["step"]: record["loss"] for record in read_metrics(run_dir)} if rank == 0 else None
+    return resumed_from, losses
+
+
+def test_restarted_ranks_resume_from_the_newest_snapshot_every_rank_holds_in_memory(tiny_corpus, tmp_path):
+    data = tmp_path / "data"
+    straight = run_ranks(resumed_run, 4, tiny_corpus, data, tmp_path / "straight")
+    run_ranks(killed_between_snapshots, 4, tiny_corpus, data, tmp_path / "run")
+    resumed = run_ranks(resumed_run, 4, tiny_corpus, data, tmp_path / "run")
+    assert [step for step, _ in resumed] == [2] * 4  # step 4 is held by ranks 0-2 only
+    reference = straight[0][1]
+    assert resumed[0][1] == {step: reference[step] for step in range(3, STEPS + 1)}  # bit for bit
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000002").exists()  # nothing was read or written
