@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -212,6 +213,10 @@ def _no_overrides(verb: str, extra: list[str]) -> None:
 
 
 def cmd_rehearse(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.soak:
+        from megascale.resilience.soak import run_soak
+
+        return run_soak(args.work.expanduser().resolve(), args.soak, args.fault_every, args.seed, extra)
     return rehearsal_module.run_rehearsal(args, extra)
 
 
@@ -572,6 +577,15 @@ def main(argv: list[str] | None = None) -> int:
             from megascale.resilience.client import report_input_error
 
             report_input_error(str(err))
+        from megascale.launch import under_launcher
+
+        if under_launcher():
+            # A rank: end now. The interpreter's teardown of the process groups waits on peers that are
+            # ending too (seconds, under load), and a restart waits for this process to be gone.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
         return status
 
 

@@ -261,6 +261,8 @@ NEUTRAL: dict[str, str] = {
             "resilience.max_restarts",
             "resilience.min_speed_ratio",
             "resilience.spares",
+            "resilience.standby",
+            "resilience.stopped_timeout_s",
             "resilience.startup_timeout_s",
             "resilience.step_time_factor",
             "resilience.store",

@@ -68,3 +68,11 @@ def children_alive(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
             alive.append(int(stat.parent.name))
     return alive
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` (R, S, D, T stopped, t traced, Z ...), None if there is none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

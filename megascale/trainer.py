@@ -10,6 +10,7 @@ in every layout), global-norm clipping, optimizer and scheduler.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from megascale.autocompile import compiles
 from megascale.checkpoint.checkpointer import Checkpointer
 from megascale.checkpoint.ledger import LEDGER
 from megascale.checkpoint.resume import check_before_start
+from megascale.checkpoint.snapshot import flatten
 from megascale.checkpoint.stateful import ModelState, OptimizerState, SchedulersState
 from megascale.config import JobConfig, to_dict
 from megascale.data import build_dataloaders
@@ -51,7 +53,7 @@ from megascale.parallel.distributed import env_world_size, join_job, pick_device
 from megascale.parallel.float8 import convert_to_float8
 from megascale.parallel.parallelize import parallelize
 from megascale.parallel.step import ParallelModel
-from megascale.resilience.client import ProgressReporter
+from megascale.resilience.client import ProgressReporter, is_standby, wait_until_activated
 from megascale.resilience.inject import FaultInjector
 
 log = logging.getLogger("megascale.trainer")
@@ -107,8 +109,19 @@ class Trainer(Stateful):
         self._build_runtime()
         self._build_data()
         self._build_model()
+        if is_standby():
+            self._stand_by()
         self._resume()
         self._build_instruments()
+
+    def _stand_by(self) -> None:
+        """A warm standby, built ahead of a fault: do now what the first step after taking over would wait
+        for, then wait to be activated (resilience/client.py)."""
+        flatten(self.checkpoint_state())  # the state-dict machinery's first call, off the critical path
+        gc.collect()
+        gc.freeze()  # what exists now is never walked again: the loop's first collection is short
+        wait_until_activated(self.rank)
+        log.info("standby: activated; resuming")
 
     def _open_run(self, cfg: JobConfig, console: Any, debug: bool) -> None:
         """The layout and any checkpoint to resume are checked before a process group exists or a file is
@@ -303,6 +316,7 @@ class Trainer(Stateful):
             steps_run = self._run_steps(end, writer, summary)
             if summary["interrupted"] and self.cfg.checkpoint.enabled:
                 self.save_checkpoint()
+            self.reporter.finish()
         except BaseException as err:
             self._stop_threads()  # not the save in flight, which may wait on ranks that are gone
             self._log_error(err)

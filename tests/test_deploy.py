@@ -1,5 +1,6 @@
-"""The deploy/ examples (Slurm, Kubernetes) cannot run here; these checks keep them true to the code: real
-`megascale executor` flags and config keys, YAML that parses, and addresses that agree."""
+"""The deploy/ examples (Slurm, Kubernetes) kept true to the code: real `megascale executor` flags and
+config keys, YAML that parses, addresses that agree, and Kubernetes resources that pass the API's schemas
+(offline: no cluster here). The sbatch script itself runs under a real Slurm in tests/test_slurm.py."""
 
 import argparse
 import re
@@ -165,3 +166,46 @@ def test_executors_reach_the_driver_service_and_agree_with_the_driver():
     assert statefulset["spec"]["replicas"] == nodes + spares
     gpus = executor["resources"]["limits"]["nvidia.com/gpu"]
     assert gpus == int(launch["--resilience.nproc_per_node"])
+
+
+def kustomized() -> list[dict]:
+    """What `kubectl apply -k deploy/kubernetes` applies: the documents of the kustomization's resources (it
+    lists resources only, nothing that would change them)."""
+    kustomization = one("kustomization.yaml", "Kustomization")
+    assert set(kustomization) == {"apiVersion", "kind", "resources"}, "a transformer: render with kubectl"
+    return [doc for name in kustomization["resources"] for doc in documents(name)]
+
+
+def test_the_kubernetes_manifests_pass_the_kubernetes_api_schemas():
+    """Offline, without a cluster: every resource against the API's OpenAPI schemas (kubernetes-validate,
+    strict: an unknown or misplaced field fails too), in the oldest and newest Kubernetes it carries.
+    `kubectl apply --dry-run=client` cannot do this here: it downloads the schemas from a server."""
+    validator = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    from kubernetes_validate.utils import all_versions
+
+    versions = sorted(all_versions(), key=lambda v: tuple(int(part) for part in v.split(".")))
+    for version in (versions[0], versions[-1]):
+        for doc in kustomized():
+            validator.validate(doc, version, strict=True)  # raises ValidationError, naming the field
+    # The check has teeth: a misspelt field and a wrong type are caught.
+    statefulset = one("executors.yaml", "StatefulSet")
+    for broken in (
+        {**statefulset, "spec": {**statefulset["spec"], "replica": 3}},
+        {**statefulset, "spec": {**statefulset["spec"], "replicas": "three"}},
+    ):
+        with pytest.raises(validator.ValidationError):
+            validator.validate(broken, versions[-1], strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kubectl_renders_the_kustomization_as_its_resources():
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(KUBERNETES)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert sorted(rendered, key=kind_and_name) == sorted(kustomized(), key=kind_and_name)
+
+
+def kind_and_name(doc: dict) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]

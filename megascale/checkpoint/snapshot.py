@@ -115,8 +115,10 @@ class SnapshotBuffer:
 
     # -- taking ----------------------------------------------------------------------------------------
     def reserve(self, state: dict[str, Any]) -> None:
-        """Allocate and touch the buffer for `state` now, so the first save pays no page faults."""
-        self._map(_offsets(split_leaves(flatten(state))[0])[1], keep_contents=False)
+        """Allocate and touch the buffer for `state` now, so the first save pays no page faults. A buffer
+        holding a snapshot keeps it (its pages are touched already)."""
+        size = _offsets(split_leaves(flatten(state))[0])[1]
+        self._map(size, keep_contents=self.record_path.exists())
 
     def take(self, state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         """Copy `state` into the buffer and record it with `meta`; returns the state as views of the

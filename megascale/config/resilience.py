@@ -85,6 +85,21 @@ class ResilienceConfig:
         "When the training processes name a straggler (metrics.straggler_ratio) and a spare node is free: "
         "stop, evict the straggler's node and restart on the spare. Without a free spare it is only logged.",
     )
+    standby: bool = option(
+        False,
+        "Keep a warm standby of the job: once an attempt trains, the next one is started on the same nodes "
+        "(processes, process groups, data and model built) and waits. After a fault that leaves every "
+        "node healthy (a rank that died, stopped or hung, a rollback, a slow step), the attempt is stopped, "
+        "the nodes self-checked and the standby takes over from the newest snapshot in the nodes' memory "
+        "(checkpoint.snapshot_every) in about a second; other faults restart in full. Costs a second set "
+        "of idle processes and their memory on every node.",
+    )
+    stopped_timeout_s: float = option(
+        5.0,
+        "A training process stopped (SIGSTOP, a debugger) this long without a step is a fault, found from "
+        "its state in /proc before any hang timeout; 0 turns it off.",
+        ge=0,
+    )
     diagnose: bool = option(True, "Run the self-check on every node after a fault and evict those that fail.")
     diagnose_bandwidth: bool = option(
         True,

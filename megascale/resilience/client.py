@@ -3,6 +3,11 @@
 The executor's heartbeat reads these files (node-local, so no network and no store client in the hot
 loop). Written by rename, so a reader never sees half a file. Off unless the executor set
 MEGASCALE_HEARTBEAT_DIR.
+
+A warm standby (the executor set MEGASCALE_STANDBY) is a training process started ahead of a fault: it
+builds everything a rank needs (process groups, data, model), says so in a `standby-<rank>.json` file,
+and waits at `wait_until_activated` until the executor creates the file MEGASCALE_STANDBY names, having
+killed the attempt the standby replaces; it then resumes from the newest snapshot in memory.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ from pathlib import Path
 from typing import Any
 
 HEARTBEAT_DIR = "MEGASCALE_HEARTBEAT_DIR"
+STANDBY = "MEGASCALE_STANDBY"  # the file whose appearance activates a warm standby
+EXECUTOR_PID = "MEGASCALE_EXECUTOR_PID"  # a standby whose executor is gone exits
+POLL_S = 0.01  # how often a standby looks for its activation
 
 
 class ProgressReporter:
     def __init__(self, rank: int, directory: str | None = None):
         directory = directory or os.environ.get(HEARTBEAT_DIR)
         self.path = Path(directory) / f"rank-{rank}.json" if directory else None
+        self.last: dict[str, Any] | None = None  # the newest report's contents
 
     def report(self, step: int, **metrics: Any) -> None:
         if self.path is None:
@@ -27,6 +36,51 @@ class ProgressReporter:
         staged = self.path.with_suffix(".tmp")
         staged.write_text(json.dumps({"step": step, "time": time.time(), "pid": os.getpid(), **metrics}))
         os.replace(staged, self.path)
+        self.last = {"step": step, **metrics}
+
+    def finish(self) -> None:
+        """The training loop ended by itself (done, or stopped and saved): this process's exit that
+        follows is no fault. Marks the newest report."""
+        if self.last is not None:
+            self.report(**{**self.last, "finished": True})
+
+
+class ExecutorGone(RuntimeError):
+    """A standby's executor died before activating it: nothing will, and nothing may train unwatched."""
+
+
+def is_standby() -> bool:
+    """Whether this process was started as a warm standby."""
+    return bool(os.environ.get(STANDBY))
+
+
+def wait_until_activated(rank: int) -> bool:
+    """Block while this process is a warm standby (MEGASCALE_STANDBY set), once it has said it is ready;
+    True when it was one and has been activated, False when it never was one. Raises ExecutorGone if
+    its executor dies first."""
+    go = os.environ.get(STANDBY)
+    if not go:
+        return False
+    ready = Path(go).parent / f"standby-{rank}.json"
+    staged = ready.with_suffix(".tmp")
+    staged.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time()}))
+    os.replace(staged, ready)
+    executor = int(os.environ.get(EXECUTOR_PID, "0"))
+    checked = time.monotonic()
+    while not os.path.exists(go):
+        time.sleep(POLL_S)
+        if executor and time.monotonic() - checked > 1.0:
+            checked = time.monotonic()
+            try:
+                os.kill(executor, 0)
+            except ProcessLookupError:
+                raise ExecutorGone(f"standby rank {rank}: its executor (pid {executor}) is gone") from None
+    return True
+
+
+def standby_ranks_ready(directory: Path) -> list[int]:
+    """The ranks of the standby in `directory` (an attempt's) that are ready to take over."""
+    return sorted(int(path.stem.split("-")[1]) for path in directory.glob("standby-*.json"))
 
 
 def report_input_error(message: str) -> None:

@@ -6,8 +6,11 @@ host and register themselves ("external"; deploy/ has Slurm and Kubernetes examp
 start an attempt on the healthy nodes, watch their heartbeats, and on a fault stop every node, run the
 self-check diagnostics, evict the nodes that fail (the blocklist lives in the run directory, so an
 evicted node is never reused, even by a new driver), and start the next attempt, which resumes from the
-newest verified checkpoint. Every decision goes to `<run_dir>/events.jsonl` with its time. Watching an
-attempt for faults is watch.py's; taking over the job of a killed driver, takeover.py's.
+newest snapshot or verified checkpoint. With `resilience.standby` the next attempt waits, built, on the
+same nodes while one trains, and after a fault that leaves every node fit it takes over in about a second
+(`standby_takes_over`). Every decision goes to `<run_dir>/events.jsonl` with its time. Keeping the
+executors is nodes.py's; watching an attempt for faults, watch.py's; taking over the job of a killed
+driver, takeover.py's.
 
 torchrun (inside each executor) already restarts workers; what it lacks, and this adds, is detection
 beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a restart, and a record.
@@ -19,63 +22,50 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from megascale.checkpoint.persist import abandon
-from megascale.checkpoint.staging import is_alive, process_identity
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
-from megascale.host import local_address
-from megascale.observe.events import EventLog
 from megascale.resilience.diagnostics import slower_than_peers
-from megascale.resilience.executor import executor_command
 from megascale.resilience.inject import INJECT, active_faults, corrupt_checkpoint
 from megascale.resilience.links import blame, link_rounds
+from megascale.resilience.nodes import NodeControl
 from megascale.resilience.records import evict, read_blocklist
 from megascale.resilience.takeover import (
-    AdoptedProcess,
     adopt,
     read_record,
     remove_record,
     resume_point,
-    write_record,
 )
 from megascale.resilience.watch import AttemptWatch, Fault
-from megascale.stores.control import ControlStore, OutageTolerantStore, StoreLost, open_store
+from megascale.stores.control import OutageTolerantStore, StoreLost, open_store
 
 log = logging.getLogger("megascale.driver")
 HANGS_TO_EVICT = 2  # hangs a node's ranks are blamed for before the node is evicted
+STANDBY_RETRY_S = 30.0  # a standby whose processes died is started again no sooner than this
+# Faults after which every node is fit to train on: the warm standby takes over (docs/resilience.md).
+TAKEN_OVER = {
+    "process_exit",
+    "rank_exit",
+    "rank_stopped",
+    "hang",
+    "comm_flat",
+    "loss_spike",
+    "slow_steps",
+}
 
 
-def _address_key(info: dict[str, Any]) -> str:
-    """What torchrun's c10d rendezvous numbers the nodes by: their address as a string."""
-    return info.get("address") or info.get("host") or ""
+class Driver(NodeControl):
+    """The job's loop over attempts (`run`); its nodes' executors are NodeControl's (nodes.py)."""
 
-
-class Driver:
     def __init__(self, cfg: JobConfig, train_args: list[str], run_dir: Path):
+        super().__init__(cfg, run_dir)
         self.cfg = cfg
-        self.res = cfg.resilience
         self.inject = cfg.resilience.inject or os.environ.get(INJECT)
         self.train_args = train_args
-        self.run_dir = run_dir
-        self.job = cfg.resilience.job_id or uuid.uuid4().hex[:8]
-        self.events = EventLog(run_dir)
-        self.store: OutageTolerantStore  # opened by run() (tests put a fake in)
-        # The executors this driver started (local), or adopted from a killed driver that started them.
-        self.executors: dict[str, subprocess.Popen | AdoptedProcess] = {}
-        self.registered: dict[str, dict[str, Any]] = {}  # every executor that joined, by node name
-        self.tickets_read = 0
-        self.tickets: list[dict[str, Any]] = []  # every registration read, by ticket (to re-seed a store)
-        self.commands: dict[str, dict[str, Any]] = {}  # the last command sent to each node (likewise)
-        # Commands are numbered from the clock, so a driver taking the job over numbers its commands after
-        # those its executors have already seen.
-        self.seq = time.time_ns() // 1000
         self.previous = read_record(run_dir)  # a killed driver's record: this one takes its job over
         if self.previous is not None:
             self.job = self.previous["job"]
@@ -84,121 +74,11 @@ class Driver:
         self.watching: AttemptWatch | None = None
         self.hang_blames: dict[str, int] = {}  # node: hangs its ranks were blamed for
         self.persist_failures: dict[str, int] = {}  # node: stage 2 failures of its executor already said
-
-    # -- executors ------------------------------------------------------------------------------------
-    def _command(self, node: str, action: str, **fields: Any) -> None:
-        self.seq += 1
-        self.commands[node] = {"seq": self.seq, "action": action, **fields}
-        self.store.put(f"cmd/{node}", self.commands[node])
-
-    def _beat(self, node: str) -> dict[str, Any] | None:
-        return self.store.fetch(f"hb/{node}")
-
-    def start_executors(self) -> None:
-        for index in range(self.res.nodes + self.res.spares):
-            if f"node-{index}" not in read_blocklist(self.run_dir):
-                self._start_executor(index)
-
-    def _start_executor(self, index: int) -> None:
-        node = f"node-{index}"
-        command = executor_command(
-            self.store.url, self.job, node, self.run_dir, self.res.heartbeat_interval_s, local_address(index)
-        )
-        command += ["--store-grace", str(self.res.store_grace_s)]
-        self.executors[node] = subprocess.Popen(command, start_new_session=True)  # type: ignore[assignment]
-        self._write_record()
-
-    def _write_record(self) -> None:
-        executors = {node: process_identity(proc.pid) for node, proc in self.executors.items()}
-        write_record(self.run_dir, self.job, self.store.url, executors)
-
-    def executor_exited(self, node: str) -> bool:
-        """Whether `node`'s executor is one this driver started, and it has exited."""
-        proc = self.executors.get(node)
-        return proc is not None and proc.poll() is not None
-
-    def executor_gone(self, node: str) -> bool:
-        """Whether `node`'s executor is dead: it exited, or its heartbeat is older than
-        resilience.heartbeat_timeout_s (an executor on another host; one busy with a self-check beats not)."""
-        if self.executor_exited(node):
-            return True
-        beat = self._beat(node)
-        return beat is None or self._beat_age(beat) > self.res.heartbeat_timeout_s
-
-    def fence(self, node: str) -> None:
-        """Kill what a dead executor left running on this host: its torchrun's session and each worker's,
-        which would otherwise live on as orphans in a collective, holding the node's memory. Processes on
-        another host are out of reach from here; the survivors' collectives time out without them."""
-        beat = self._beat(node)
-        if not beat or beat.get("host") != socket.gethostname():
-            return
-        killed = []
-        for identity in beat.get("sessions", []):
-            if not is_alive(identity):
-                continue
-            try:
-                os.killpg(identity["pid"], signal.SIGKILL)  # torchrun and its workers lead sessions
-            except ProcessLookupError:
-                os.kill(identity["pid"], signal.SIGKILL)
-            killed.append(identity["pid"])
-        self.events.write("fenced", node=node, killed=killed)
-
-    def replace_executor(self, node: str) -> None:
-        """Start `node`'s executor again (one this driver started) and wait for its first heartbeat: it
-        adopts the node's staging directory and persists the snapshots the dead one had not."""
-        old = self.executors.pop(node)
-        if old.poll() is None:  # its heartbeat stopped, but it lives: hung
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(old.pid, signal.SIGKILL)
-        old.wait()
-        started = time.time()
-        self._start_executor(int(node.rsplit("-", 1)[1]))
-        deadline = started + self.res.startup_timeout_s
-        while time.time() < deadline:
-            self.discover()
-            beat = self._beat(node)
-            if beat is not None and beat["time"] > started:
-                break
-            time.sleep(min(0.2, self.res.heartbeat_interval_s))
-        self.events.write("executor_replaced", node=node, exit_code=old.returncode)
-
-    def discover(self) -> None:
-        """Read the registrations of executors that joined since the last call."""
-        joined = self.store.add("registered", 0)
-        while self.tickets_read < joined:
-            info = self.store.fetch(f"node/{self.tickets_read}")
-            if info is None:  # the ticket is taken, the name not yet written
-                return
-            if info["node"] not in self.registered:
-                self.events.write("joined", **info)
-            self.registered[info["node"]] = info
-            self.tickets.append(info)
-            self.tickets_read += 1
-
-    def healthy_nodes(self) -> list[str]:
-        """Nodes not blocked whose executor is alive, in the order torchrun numbers them (by address)."""
-        self.discover()
-        blocked, now = set(read_blocklist(self.run_dir)), time.time()
-        healthy = []
-        for node, info in self.registered.items():
-            beat = self._beat(node)
-            alive = beat is not None and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
-            if node in self.executors:
-                alive = alive and self.executors[node].poll() is None
-            if alive and node not in blocked:
-                healthy.append((_address_key(info), node))
-        return [node for _, node in sorted(healthy)]
-
-    def wait_for_nodes(self) -> list[str]:
-        """The healthy nodes, once every local executor (or, external, resilience.nodes of them) is up."""
-        wanted = len(self.executors) if self.executors else self.res.nodes
-        deadline = time.time() + self.res.startup_timeout_s
-        while len(nodes := self.healthy_nodes()) < wanted and time.time() < deadline:
-            time.sleep(min(0.2, self.res.heartbeat_interval_s))
-        return nodes
+        self.standby_requested: tuple[int, float] | None = None  # (attempt, when) of the newest standby
 
     # -- one attempt ----------------------------------------------------------------------------------
-    def start_attempt(self, nodes: list[str], attempt: int) -> None:
+    def start_attempt(self, nodes: list[str], attempt: int, action: str = "start") -> None:
+        """Start `attempt` on `nodes` (action "standby": start it as their warm standby, which waits)."""
         nproc = self.res.nproc_per_node
         # Local executors share this machine's cores; an external one splits its own host's.
         threads = max(1, (os.cpu_count() or 1) // (nproc * len(nodes))) if self.executors else None
@@ -209,7 +89,7 @@ class Driver:
         for node in nodes:
             self._command(
                 node,
-                "start",
+                action,
                 attempt=attempt,
                 nnodes=len(nodes),
                 nproc_per_node=nproc,
@@ -219,82 +99,104 @@ class Driver:
                 train_args=self.train_args,
                 threads=threads,
             )
+        if action == "standby":
+            self.standby_requested = (attempt, time.time())
+            self.events.write("standby", attempt=attempt, nodes=nodes)
+            return
         self.attempt_started = time.time()
         self.events.write("start", attempt=attempt, nodes=nodes, processes=len(nodes) * nproc)
+
+    # -- the warm standby -----------------------------------------------------------------------------
+    def keep_standby(self, nodes: list[str], attempt: int) -> None:
+        """While `attempt` trains (with resilience.standby): make sure attempt + 1 waits on the same nodes
+        as its warm standby; start it again if one of its processes died (at most every
+        STANDBY_RETRY_S)."""
+        if not self.res.standby:
+            return
+        standbys = [(self._beat(node) or {}).get("standby") or {} for node in nodes]
+        alive = [standby.get("attempt") == attempt + 1 and standby.get("alive") for standby in standbys]
+        requested, when = self.standby_requested or (None, 0.0)
+        if requested == attempt + 1 and (all(alive) or time.time() - when < STANDBY_RETRY_S):
+            return
+        self.start_attempt(nodes, attempt + 1, action="standby")
+
+    def standby_ready(self, nodes: list[str], attempt: int) -> bool:
+        """Whether every process of `attempt` waits, ready, as the nodes' warm standby."""
+        nproc = self.res.nproc_per_node
+        for node in nodes:
+            standby = (self._beat(node) or {}).get("standby")
+            if not standby or standby["attempt"] != attempt or not standby["alive"]:
+                return False
+            if len(standby["ready"]) < nproc:
+                return False
+        return True
+
+    def standby_takes_over(self, fault: Fault, nodes: list[str], attempt: int) -> str:
+        """After a fault the standby can cure (every node's executor alive, the standby of attempt + 1
+        ready): stop the attempt and self-check every node (one `recover` command each), then, if every
+        node passed, let the standby take over. Returns "taken over"; "evicted" when a node failed its
+        self-check (stopped, checked and evicted: the restart that follows is a full one, on the healthy
+        nodes); "unavailable", having done nothing, when the fault or the standby rules it out."""
+        if fault.kind not in TAKEN_OVER or not self.standby_ready(nodes, attempt + 1):
+            return "unavailable"
+        if any(self.executor_gone(node) for node in nodes):
+            return "unavailable"
+        if self.res.diagnose:
+            failed = self.diagnose(nodes, attempt, action="recover")
+        else:
+            self.stop_nodes(nodes)
+            failed = []
+        self.events.write("stopped", attempt=attempt, nodes=nodes)
+        self.wait_for_snapshots(nodes)  # a save the fault cut off is abandoned, not waited for
+        for node in failed:
+            evict(self.run_dir, node)
+            self.events.write("evict", node=node)
+        if failed:
+            self.replenish()
+            return "evicted"
+        checkpoint_step = self._newest_checkpoint_step(attempt + 1, verified=False)
+        self.events.write("restart", attempt=attempt + 1, checkpoint_step=checkpoint_step, standby=True)
+        for node in nodes:
+            self._command(node, "activate", attempt=attempt + 1)
+        self.attempt_started = time.time()
+        processes = len(nodes) * self.res.nproc_per_node
+        self.events.write("start", attempt=attempt + 1, nodes=nodes, processes=processes, standby=True)
+        return "taken over"
 
     def watch(self, nodes: list[str], attempt: int, recovered: bool = True) -> Fault | None:
         """Until the attempt ends: None when every node finished cleanly, else the first fault seen."""
         self.watching = AttemptWatch(self, nodes, attempt, recovered)
         return self.watching.run()
 
-    def wait_for_snapshots(self, nodes: list[str], timeout_s: float = 600.0) -> None:
-        """Until every node's executor has persisted the snapshots its training processes left.
-
-        Call it with the training processes stopped. A coordinator still waiting for other nodes' share of
-        a save while no other node persists anything waits for shares that can never come (those nodes
-        died before theirs was ready): once that has held for a while, the save is abandoned."""
-        deadline, stuck_since = time.time() + timeout_s, None
-        grace_s = 2 * self.res.heartbeat_interval_s + 1.0  # a share written just now is seen by then
-        while time.time() < deadline:
-            time.sleep(self.res.heartbeat_interval_s)
-            now, beats = time.time(), [self._beat(node) for node in nodes]
-            live = [
-                beat for beat in beats if beat and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
-            ]
-            busy = [
-                beat for beat in live if beat.get("snapshots_pending")
-            ]  # a dead executor persists nothing
-            if not busy:
-                return
-            waiting = [beat["snapshot_waiting"] for beat in busy if beat.get("snapshot_waiting")]
-            if len(waiting) < len(busy):
-                stuck_since = None
-            elif stuck_since is None:
-                stuck_since = now
-            elif now - stuck_since > grace_s:
-                for save in waiting:
-                    abandon(save["final"], save["save_id"])
-                    self.events.write(
-                        "abandoned", checkpoint=save["final"], reason="a node died before its share"
-                    )
-                stuck_since = None
-
-    def stop_nodes(self, nodes: list[str], action: str = "stop") -> None:
-        for node in nodes:
-            self._command(node, action)
-        deadline = time.time() + self.res.heartbeat_timeout_s + (60 if action == "terminate" else 0)
-        while time.time() < deadline:
-            beats = [self._beat(node) for node in nodes]
-            if all(beat is None or beat["state"] != "running" for beat in beats):
-                return
-            time.sleep(self.res.heartbeat_interval_s)
-
-    def diagnose(self, nodes: list[str], attempt: int) -> list[str]:
+    def diagnose(self, nodes: list[str], attempt: int, action: str = "diagnose") -> list[str]:
         """Run the self-check on `nodes`; returns those that failed it, never answered, or were markedly
-        slower than the others."""
+        slower than the others. `recover`: the nodes stop their attempt first and keep their standby,
+        and only the node's own checks run (no communication check: it starts processes)."""
         res = self.res
         seq_before = self.seq
+        bandwidth = res.diagnose_bandwidth and action == "diagnose"
+        # Rates say which node is slow only against a figure or among nodes with a machine each.
+        compared = res.expected_gflops is not None or self._own_hosts(nodes)
         for node in nodes:
             self._command(
                 node,
-                "diagnose",
+                action,
                 attempt=attempt,
                 inject=self.inject,
                 nproc_per_node=res.nproc_per_node,
-                bandwidth=res.diagnose_bandwidth,
+                bandwidth=bandwidth,
                 expected_gflops=res.expected_gflops,
                 expected_alltoall_gbps=res.expected_alltoall_gbps,
                 min_speed_ratio=res.min_speed_ratio,
+                timing_s=0.3 if compared else 0.0,
             )
         results = self._answers(nodes, "diag", seq_before)
         passed = {node: result for node, result in results.items() if result["passed"]}
-        # Rates say which node is slow only when each node has a machine of its own: nodes sharing one
-        # (local executors) share its cores, and one measured while the others ran looks slow.
-        if len({self.registered[node]["host"] for node in passed}) == len(passed):
+        if self._own_hosts(list(passed)):
             for node, slow in slower_than_peers(passed, res.min_speed_ratio).items():
                 results[node] = {**results[node], "passed": False, "reason": slow}
         healthy = [node for node in nodes if node in results and results[node]["passed"]]
-        if res.diagnose_bandwidth and len(healthy) >= 2:
+        if bandwidth and len(healthy) >= 2:
             for node, (reason, links) in self.check_links(healthy, attempt).items():
                 checks = {**results[node]["checks"], "links": links}
                 results[node] = {**results[node], "checks": checks}
@@ -317,22 +219,6 @@ class Driver:
             if not result["passed"]:
                 failed.append(node)
         return failed
-
-    def _answers(self, nodes: list[str], key: str, seq_before: int) -> dict[str, dict[str, Any]]:
-        """The nodes' answers under `<key>/<node>` to a command sent after `seq_before`, as they come in
-        until every node whose executor runs has answered, or resilience.diagnose_timeout_s has passed."""
-        answers: dict[str, dict[str, Any]] = {}
-        deadline = time.time() + self.res.diagnose_timeout_s
-        while time.time() < deadline:
-            waiting = [node for node in nodes if node not in answers and not self.executor_exited(node)]
-            if not waiting:
-                break
-            for node in waiting:
-                answer = answers.get(node) or self.store.fetch(f"{key}/{node}")
-                if answer and answer["seq"] > seq_before:
-                    answers[node] = answer
-            time.sleep(0.2)
-        return answers
 
     def check_links(self, nodes: list[str], attempt: int) -> dict[str, tuple[str | None, dict]]:
         """The all-reduce between neighbouring nodes: {node: (why it is to blame or None, its links)}."""
@@ -403,7 +289,7 @@ class Driver:
             return 1
         finally:
             if store_lost is None:
-                self.discover()
+                self.discover(record=False)
                 for node in self.registered:
                     self._command(node, "exit")
                 self._wait_until_left(list(self.registered))
@@ -421,23 +307,12 @@ class Driver:
                 signal.signal(sig, handler)
             remove_record(self.run_dir)
 
-    def _wait_until_left(self, nodes: list[str]) -> None:
-        """Until every live executor has said its last word (a TCPStore closes with this driver)."""
-        deadline = time.time() + self.res.heartbeat_timeout_s
-        while time.time() < deadline:
-            beats, now = [self._beat(node) for node in nodes], time.time()
-            live = [
-                beat for beat in beats if beat and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
-            ]
-            if all(beat["state"] == "left" for beat in live):
-                return
-            time.sleep(0.1)
-
     def _loop(self) -> int:
         if self.previous is not None:
             attempt, nodes, running = resume_point(self)
         else:
             attempt, nodes, running = 0, self.wait_for_nodes()[: self.res.nodes], False
+        recovered = running or attempt == 0  # False: a restart whose first step is still to come
         while True:
             if not running:
                 if not self._layout_fits(len(nodes)):
@@ -446,7 +321,7 @@ class Driver:
                     )
                     return 1
                 self.start_attempt(nodes, attempt)
-            fault = self.watch(nodes, attempt, recovered=running or attempt == 0)
+            fault = self.watch(nodes, attempt, recovered=recovered)
             running = False
             if self.stop_requested:
                 self.stop_nodes(nodes, "terminate")
@@ -466,8 +341,7 @@ class Driver:
                 last_step=fault.last_progress_step,
                 **fault.extra,
             )
-            hung = fault.kind in ("hang", "comm_flat") and self.watching is not None
-            named = self.watching.blame() if hung and self.watching is not None else None
+            named = self._blame(fault)
             if named is not None:
                 self.events.write("blame", attempt=attempt, **named)
             if fault.kind == "input_error":
@@ -475,13 +349,21 @@ class Driver:
                 self.wait_for_snapshots(nodes)
                 self.events.write("give_up", reason=f"an error in the job's input: {fault.detail}")
                 return 2
-            self._stop_and_evict(fault, nodes, attempt, named)
+            blamed_out = self._count_blame(named)
+            outcome = "unavailable"
+            if attempt < self.res.max_restarts and blamed_out is None:
+                outcome = self.standby_takes_over(fault, nodes, attempt)
+            if outcome == "taken over":
+                attempt, running, recovered = attempt + 1, True, False
+                continue
+            if outcome == "unavailable":
+                self._stop_and_evict(fault, nodes, attempt, blamed_out)
             if attempt >= self.res.max_restarts:
                 self.events.write(
                     "give_up", reason=f"resilience.max_restarts = {self.res.max_restarts} reached"
                 )
                 return 1
-            attempt += 1
+            attempt, recovered = attempt + 1, False
             nodes = self.healthy_nodes()[: self.res.nodes]
             # The newest checkpoint in storage; the ranks may resume from a newer snapshot still in their
             # nodes' memory (`recovered` says where they did).
@@ -489,12 +371,32 @@ class Driver:
                 "restart", attempt=attempt, checkpoint_step=self._newest_checkpoint_step(attempt)
             )
 
-    def _stop_and_evict(
-        self, fault: Fault, nodes: list[str], attempt: int, named: dict[str, Any] | None
-    ) -> None:
+    def _blame(self, fault: Fault) -> dict[str, Any] | None:
+        """Who a fault that passes every self-check is put on: after a hang, the ranks it waits for (the
+        hang view); a stopped rank, itself."""
+        if fault.kind in ("hang", "comm_flat") and self.watching is not None:
+            return self.watching.blame()
+        if fault.kind == "rank_stopped" and fault.node is not None:
+            ranks = fault.extra["ranks"]
+            reasons = {str(rank): "its process is stopped" for rank in ranks}
+            return {"suspect_ranks": ranks, "reasons": reasons, "nodes": [fault.node]}
+        return None
+
+    def _count_blame(self, named: dict[str, Any] | None) -> str | None:
+        """The node to evict for this blame: one whose ranks were blamed alone HANGS_TO_EVICT times (a rank
+        that stops, or hangs, again and again passes every self-check, yet is as bad as a failing one)."""
+        if named is None or len(named["nodes"]) != 1:
+            return None
+        (node,) = named["nodes"]
+        self.hang_blames[node] = self.hang_blames.get(node, 0) + 1
+        if self.hang_blames[node] >= HANGS_TO_EVICT and node not in read_blocklist(self.run_dir):
+            return node
+        return None
+
+    def _stop_and_evict(self, fault: Fault, nodes: list[str], attempt: int, blamed_out: str | None) -> None:
         """After a fault: fence dead executors' processes (restarting our executors), stop the other nodes
         keeping their snapshots, and evict what is to blame: a straggler, a node whose executor is gone, a
-        node failing its self-check, a node blamed for HANGS_TO_EVICT hangs."""
+        node failing its self-check, a node blamed for HANGS_TO_EVICT hangs (`blamed_out`)."""
         gone = [node for node in nodes if self.executor_gone(node)]
         for node in gone:  # nothing of theirs may keep running; ours are started again
             self.fence(node)
@@ -515,15 +417,14 @@ class Driver:
             for node in self.diagnose(live, attempt):
                 evict(self.run_dir, node)
                 self.events.write("evict", node=node)
-        if named is not None and len(named["nodes"]) == 1:
-            # A node that passes its self-check but hangs again and again is as bad as a failing one.
-            (node,) = named["nodes"]
-            self.hang_blames[node] = self.hang_blames.get(node, 0) + 1
-            if self.hang_blames[node] >= HANGS_TO_EVICT and node not in read_blocklist(self.run_dir):
-                evict(self.run_dir, node)
-                self.events.write("evict", node=node, reason=f"blamed for {HANGS_TO_EVICT} hangs")
+        if blamed_out is not None and blamed_out not in read_blocklist(self.run_dir):
+            evict(self.run_dir, blamed_out)
+            self.events.write("evict", node=blamed_out, reason=f"blamed for {HANGS_TO_EVICT} hangs")
+        self.replenish()
 
-    def _newest_checkpoint_step(self, attempt: int) -> int:
+    def _newest_checkpoint_step(self, attempt: int, verified: bool = True) -> int:
+        """The step of the newest committed checkpoint, read back and checked when `verified` (the
+        standby's restart does not read storage, so neither does its event)."""
         from megascale.checkpoint.checkpointer import list_checkpoints
 
         root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
@@ -533,6 +434,8 @@ class Driver:
         ):
             corrupt_checkpoint(checkpoints[-1][1])
             self.events.write("injected", kind="corrupt_checkpoint", checkpoint=checkpoints[-1][1])
+        if not verified:
+            return checkpoints[-1][0] if checkpoints else 0
         return self._verified_checkpoint_step()
 
     def _verified_checkpoint_step(self) -> int:
@@ -554,26 +457,6 @@ class Driver:
             log.error("%s", err)
             return False
         return True
-
-    def _beat_age(self, beat: dict[str, Any], now: float | None = None) -> float:
-        """How old a heartbeat is, counted from the end of the store's last outage at the earliest: no
-        executor could beat while the store was away."""
-        return (now or time.time()) - max(beat["time"], self.store.back_at)
-
-    def _reseed(self, store: ControlStore) -> None:
-        """The store answers again after an outage. A Redis server restarted empty has lost the job's keys:
-        put back what the driver knows (its mark, the registrations, each node's last command), so that
-        executors find their job and commands, and a new registration gets a ticket after the known ones."""
-        began, ended = self.store.outages[-1]
-        emptied = store.fetch("driver") is None
-        if emptied:
-            store.put("driver", {"job": self.job, "time": time.time()})
-            store.add("registered", len(self.tickets))
-            for ticket, info in enumerate(self.tickets):
-                store.put(f"node/{ticket}", info)
-            for node, command in self.commands.items():
-                store.put(f"cmd/{node}", command)
-        self.events.write("store_back", outage_s=round(ended - began, 1), reseeded=emptied)
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         self.stop_requested = True

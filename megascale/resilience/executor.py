@@ -8,13 +8,22 @@ the ones it starts on its own machine. The executor adds what MegaScale's execut
 does on top (paper §4.1): a heartbeat with the node's process states, each rank's step and loss, and the
 log lines that match error keywords; and it obeys the driver's commands (start, stop, diagnose, exit).
 Stop kills the whole torchrun session at once: after a fault, the workers' state is not worth saving
-(the restart loads the newest verified checkpoint).
+(the restart loads the newest snapshot or verified checkpoint).
+
+A warm standby (`resilience.standby`) is the next attempt started ahead of a fault: a second torchrun
+whose workers build everything and wait (resilience/client.py). `recover` stops the attempt and runs the
+self-check; `activate` then lets the standby take over, which resumes from the snapshot its ranks find
+in this node's memory: a restart without process start-up, rendezvous or storage. The heartbeat also
+names the ranks whose process died or stopped while their torchrun runs, so a fault is seen at the next
+heartbeat rather than when torchrun notices and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import json
 import logging
 import os
 import re
@@ -23,22 +32,34 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister, pending, persist
-from megascale.checkpoint.staging import claim, process_identity, remove_stale, staging_base
+from megascale.checkpoint.staging import claim, is_alive, process_identity, remove_stale, staging_base
 from megascale.errors import ConfigError
 from megascale.host import children_alive, free_port, interface_of, io_bytes
-from megascale.resilience.client import HEARTBEAT_DIR, read_input_errors, read_progress
+from megascale.resilience.client import (
+    EXECUTOR_PID,
+    HEARTBEAT_DIR,
+    STANDBY,
+    read_input_errors,
+    read_progress,
+    standby_ranks_ready,
+)
 from megascale.resilience.inject import ATTEMPT
+from megascale.resilience.processes import AdoptedTorchrun, RankWatch, kill_session
+from megascale.resilience.takeover import AdoptedProcess
 from megascale.stores.control import OutageTolerantStore, StoreLost, open_store
 
 ERROR_KEYWORDS = re.compile(
     r"traceback|error|nccl|gloo|segmentation fault|core dumped|killed|exitcode", re.ASCII | re.IGNORECASE
 )
 MAX_ERROR_LINES = 20
+COMMAND_POLL_S = 0.05  # how often the executor looks for a command (heartbeats go every interval)
+EXECUTOR_RECORD = "executor.json"  # in the node's directory: the processes a successor adopts
 # torchrun's failure summary (torch.distributed.elastic's ChildFailedError): a worker's global rank, then
 # its exit code, negative when a signal ended it.
 FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
@@ -76,7 +97,7 @@ class Executor:
         self.interval_s = interval_s
         self.node_dir = run_dir / "nodes" / node
         self.node_dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | AdoptedProcess | None = None
         self.attempt: int | None = None
         self.log_path: Path | None = None
         self.log_offset = 0
@@ -84,6 +105,12 @@ class Executor:
         self.signalled: dict[str, str] = {}  # rank -> the signal that ended it, from torchrun's summary
         self.exited_at: float | None = None  # when this executor first saw torchrun gone
         self._failed_rank: str | None = None
+        self.activation_failed = False  # the attempt was to be a standby's, and there was none
+        self.rank_watch = RankWatch()
+        self.standby: subprocess.Popen | AdoptedProcess | None = (
+            None  # the next attempt, started ahead (warm standby)
+        )
+        self.standby_attempt: int | None = None
         self.diagnosis: dict[str, Any] | None = None
         # Stage 2 of this node's checkpoints runs here, so it outlives the training processes. A directory
         # this node's earlier executor left is adopted (its snapshots are persisted below); those of jobs
@@ -99,7 +126,50 @@ class Executor:
         # A command already in the store was for this node's previous executor (it died): not for us.
         previous = self.store.fetch(f"cmd/{node}")
         self.seen_command = previous["seq"] if previous else -1
+        self.adopt()
         self.register()
+
+    # -- the node's processes, across executors ---------------------------------------------------------
+    def adopt(self) -> None:
+        """Take over the processes a killed predecessor on this node left running (its record,
+        `executor.json`): the attempt trains on unharmed and the standby stays ready. A recorded attempt
+        whose torchrun is gone is reported as failed, so the driver restarts it."""
+        try:
+            record = json.loads((self.node_dir / EXECUTOR_RECORD).read_text())
+        except (OSError, ValueError):
+            return
+        if record.get("job") != self.job:  # an earlier job's, in the same run directory
+            return
+        if record.get("attempt") is not None:
+            attempt = int(record["attempt"])
+            self._begin_attempt(attempt)
+            if record.get("proc") and is_alive(record["proc"]):
+                self.proc = AdoptedTorchrun(record["proc"], self._attempt_dir(attempt))
+            else:
+                self.activation_failed = True  # reported as exited with status 1
+        if record.get("standby") and is_alive(record["standby"]):
+            self.standby = AdoptedTorchrun(record["standby"], self._attempt_dir(record["standby_attempt"]))
+            self.standby_attempt = int(record["standby_attempt"])
+        log.warning(
+            "executor %s: adopted attempt %s (%s) and standby %s from the node's previous executor",
+            self.node,
+            self.attempt,
+            "running" if self.proc is not None else "gone",
+            self.standby_attempt if self.standby is not None else None,
+        )
+
+    def _write_record(self) -> None:
+        """What a successor needs to adopt this node's processes, should this executor die."""
+        record = {
+            "job": self.job,
+            "attempt": self.attempt,
+            "proc": process_identity(self.proc.pid) if self.proc is not None else None,
+            "standby": process_identity(self.standby.pid) if self.standby is not None else None,
+            "standby_attempt": self.standby_attempt,
+        }
+        staged = self.node_dir / f".{EXECUTOR_RECORD}.tmp"
+        staged.write_text(json.dumps(record))
+        os.replace(staged, self.node_dir / EXECUTOR_RECORD)
 
     def _check_driver(self, timeout_s: float) -> None:
         """Wait for the driver's mark in the store; refuse another job's driver (a TCPStore is not
@@ -128,12 +198,76 @@ class Executor:
     # -- commands -------------------------------------------------------------------------------------
     def start(self, command: dict[str, Any]) -> None:
         self.stop()
-        self.attempt = int(command["attempt"])
-        progress_dir = self.node_dir / f"attempt-{self.attempt}"
+        self.drop_standby()  # a fresh start means the nodes or the plan changed: the standby is not it
+        self._begin_attempt(int(command["attempt"]))
+        self._clear_reports(int(command["attempt"]))
+        self.proc = self._torchrun(command)
+        self._write_record()
+
+    def prepare_standby(self, command: dict[str, Any]) -> None:
+        """Start the next attempt's processes as a warm standby: they build everything and wait."""
+        self.drop_standby()
+        if "torch" not in sys.modules:  # the self-check before an activation needs it: import it now
+            threading.Thread(target=importlib.import_module, args=("torch",), daemon=True).start()
+        attempt = int(command["attempt"])
+        directory = self._attempt_dir(attempt)
+        self._clear_reports(attempt)
+        self.standby = self._torchrun(command, standby=directory / "go")
+        self.standby_attempt = attempt
+        self._write_record()
+
+    def activate(self, command: dict[str, Any]) -> None:
+        """Stop the attempt (if still running) and let the standby of `attempt` take over. Without a live
+        standby of that attempt the new attempt fails at once, and the driver restarts in full."""
+        attempt = int(command["attempt"])
+        standby, self.standby = self.standby, None
+        self.stop()
+        self._begin_attempt(attempt)
+        if standby is None or self.standby_attempt != attempt or standby.poll() is not None:
+            if standby is not None:
+                kill_session(standby)
+            self.errors.append(f"executor {self.node}: error: no standby of attempt {attempt} to activate")
+            self.activation_failed = True
+            self._write_record()
+            return
+        (self._attempt_dir(attempt) / "go").touch()
+        self.proc = standby
+        self._write_record()
+
+    def drop_standby(self) -> None:
+        if self.standby is not None:
+            kill_session(self.standby)
+            self.standby = None
+            self._write_record()
+
+    def _attempt_dir(self, attempt: int) -> Path:
+        return self.node_dir / f"attempt-{attempt}"
+
+    def _clear_reports(self, attempt: int) -> None:
+        """Remove what processes of an earlier attempt numbered alike left in its directory (an earlier
+        job's in the same run directory, an earlier standby's): their reports are not this attempt's."""
+        directory = self._attempt_dir(attempt)
+        directory.mkdir(parents=True, exist_ok=True)
+        for pattern in ("rank-*.json", "input-error-*.json", "standby-*.json", "go"):
+            for leftover in directory.glob(pattern):
+                leftover.unlink(missing_ok=True)
+
+    def _begin_attempt(self, attempt: int) -> None:
+        """What the heartbeat says of an attempt starts afresh: its directory, log and failures."""
+        self.attempt = attempt
+        progress_dir = self._attempt_dir(attempt)
         progress_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = progress_dir / "output.log"
         self.log_offset, self.errors = 0, []
         self.signalled, self.exited_at, self._failed_rank = {}, None, None
+        self.activation_failed = False
+        self.rank_watch = RankWatch()
+
+    def _torchrun(self, command: dict[str, Any], standby: Path | None = None) -> subprocess.Popen:
+        """torchrun for the command's attempt, in a session of its own, its output in the attempt's log;
+        as a warm standby waiting for `standby` to appear, when given."""
+        attempt = int(command["attempt"])
+        progress_dir = self._attempt_dir(attempt)
         network = {}
         interface = interface_of(self.address) if self.address else None
         if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -146,11 +280,12 @@ class Executor:
             **network,
             **{
                 HEARTBEAT_DIR: str(progress_dir),
-                ATTEMPT: str(self.attempt),
+                ATTEMPT: str(attempt),
                 STAGING_DIR: str(self.staging_dir),
                 PERSISTER: "executor",
                 NODE: self.node,
             },
+            **({STANDBY: str(standby), EXECUTOR_PID: str(os.getpid())} if standby else {}),
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
             OMP_NUM_THREADS=str(threads),
         )
@@ -169,8 +304,8 @@ class Executor:
             "--monitor-interval=0.5",
             "-m", "megascale.cli", "train", *command["train_args"],
         ]  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+        with open(progress_dir / "output.log", "ab") as log:
+            return subprocess.Popen(
                 torchrun, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
@@ -184,19 +319,14 @@ class Executor:
                 self.stop()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            # torchrun's session, and each worker's own: torchrun starts workers as session leaders, so a
-            # hung worker would outlive its torchrun's group.
-            for group in [self.proc.pid, *children_alive(self.proc.pid)]:
-                try:
-                    os.killpg(group, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.proc.wait()
+        if self.proc is not None:
+            kill_session(self.proc)
+            self._write_record()
 
     def close(self) -> None:
         """Stop the node's processes and stage 2's thread (a snapshot being persisted is finished first)."""
         self.stop()
+        self.drop_standby()
         self.persister.stop()
 
     def abandon_node(self, marker_timeout_s: float = 10.0) -> None:
@@ -211,6 +341,8 @@ class Executor:
         self.remove_staging()
 
     def remove_staging(self) -> None:
+        """The node is done with the job: its memory, and the record a successor would adopt from."""
+        (self.node_dir / EXECUTOR_RECORD).unlink(missing_ok=True)
         shutil.rmtree(self.staging_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
             self.staging_dir.parent.rmdir()
@@ -235,11 +367,17 @@ class Executor:
         elif self.proc is not None:
             exit_code = self.proc.poll()
             state = "running" if exit_code is None else "exited"
-            if state == "exited" and self.exited_at is None:
-                self.exited_at = time.time()
+        elif self.activation_failed:
+            state, exit_code = "exited", 1
+        if state == "exited" and self.exited_at is None:
+            self.exited_at = time.time()
         self._scan_log()
         progress = read_progress(self.log_path.parent) if self.log_path else {}
         workers = children_alive(self.proc.pid) if state == "running" and self.proc else []
+        lost, stopped = self.rank_watch.read(progress, time.time()) if state == "running" else ([], {})
+        standby = self.standby if self.standby is not None and self.standby.poll() is None else None
+        ours = [self.proc.pid, *workers] if state == "running" and self.proc is not None else []
+        ours += [standby.pid, *children_alive(standby.pid)] if standby is not None else []
         beat = {
             "time": time.time(),
             "node": self.node,
@@ -252,10 +390,18 @@ class Executor:
             "signalled": self.signalled,
             "pid": self.proc.pid if self.proc else None,
             "workers": workers,
-            # What the driver kills should this executor die: torchrun's session and each worker's.
-            "sessions": [process_identity(pid) for pid in [self.proc.pid, *workers]]
-            if state == "running" and self.proc is not None
-            else [],
+            # What the driver kills should this executor die: torchrun's session and each worker's, the
+            # standby's too.
+            "sessions": [process_identity(pid) for pid in ours],
+            "lost_ranks": lost,
+            "stopped_ranks": stopped,
+            "standby": {
+                "attempt": self.standby_attempt,
+                "alive": standby is not None,
+                "ready": standby_ranks_ready(self._attempt_dir(self.standby_attempt)),
+            }
+            if self.standby is not None and self.standby_attempt is not None
+            else None,
             "io_bytes": io_bytes(workers),
             "free_port": free_port(self.address),
             "progress": {str(rank): report for rank, report in progress.items()},
@@ -293,29 +439,49 @@ class Executor:
                 self._failed_rank = None
 
     def run(self) -> None:
+        """Obey commands as they come (looked for every COMMAND_POLL_S) and beat every interval, at once
+        after a command, so the driver sees its effect without waiting a whole interval."""
+        next_beat = 0.0
         while True:
             command = self.store.fetch(f"cmd/{self.node}")
             if command is not None and command["seq"] > self.seen_command:
                 self.seen_command = command["seq"]
-                action = command["action"]
-                if action == "start":
-                    self.start(command)
-                elif action == "stop":
-                    self.stop()
-                elif action == "terminate":
-                    self.terminate()
-                elif action == "diagnose":
-                    self.stop()
-                    self.diagnose(command)
-                elif action == "link_check":
-                    self.check_links(command)
-                elif action == "exit":
-                    self.stop()
-                    self.remove_staging()
+                if not self.obey(command):
                     self.heartbeat(left=True)  # the last word: the driver may close the store after it
                     return
-            self.heartbeat()
-            time.sleep(self.interval_s)
+                next_beat = 0.0
+            if time.monotonic() >= next_beat:
+                self.heartbeat()
+                next_beat = time.monotonic() + self.interval_s
+            time.sleep(min(COMMAND_POLL_S, self.interval_s))
+
+    def obey(self, command: dict[str, Any]) -> bool:
+        """Carry out one command of the driver's; False once told to exit."""
+        action = command["action"]
+        if action == "start":
+            self.start(command)
+        elif action == "standby":
+            self.prepare_standby(command)
+        elif action == "activate":
+            self.activate(command)
+        elif action == "stop":
+            self.stop()
+        elif action == "terminate":
+            self.terminate()
+            self.drop_standby()
+        elif action in ("diagnose", "recover"):  # recover: the standby stays, to be activated after
+            self.stop()
+            if action == "diagnose":
+                self.drop_standby()
+            self.diagnose(command)
+        elif action == "link_check":
+            self.check_links(command)
+        elif action == "exit":
+            self.stop()
+            self.drop_standby()
+            self.remove_staging()
+            return False
+        return True
 
 
 def executor_command(
@@ -374,16 +540,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_executor(args: argparse.Namespace) -> int:
     """Serve the driver until it says exit (or SIGTERM)."""
-    executor = Executor(
-        args.store,
-        args.job,
-        args.node,
-        args.run_dir,
-        args.interval,
-        args.address,
-        args.connect_timeout,
-        args.store_grace,
-    )
+    try:
+        executor = Executor(
+            args.store,
+            args.job,
+            args.node,
+            args.run_dir,
+            args.interval,
+            args.address,
+            args.connect_timeout,
+            args.store_grace,
+        )
+    except ConfigError:
+        raise  # one line already (the CLI prints it)
+    except Exception as err:  # noqa: BLE001 (a store that never answered, a run directory not writable)
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(
+            f"executor {args.node}: cannot join the driver's store {args.store} as job {args.job!r}: "
+            f"{type(err).__name__}: {first_line}"
+        ) from None
 
     def stop_on_sigterm(*_: Any) -> None:
         executor.abandon_node()
@@ -407,10 +582,15 @@ def run_executor(args: argparse.Namespace) -> int:
         return 1
     finally:
         executor.stop()
+        executor.drop_standby()
     return 0
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="megascale executor: runs one node's training processes.")
     add_arguments(parser)
-    sys.exit(run_executor(parser.parse_args()))
+    try:
+        sys.exit(run_executor(parser.parse_args()))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

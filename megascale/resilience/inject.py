@@ -11,6 +11,9 @@ Faults the executor and checkpoints take (resilience/diagnostics.py, resilience/
 - link_fail:node=N        node N's data is damaged in the all-reduce with its neighbour nodes
 - corrupt_checkpoint      truncate a shard of the newest checkpoint before the restart
 A fault fires in the first attempt only (`attempt=K` picks another), so a restart replays cleanly.
+
+A spec of `@PATH` is read from the file PATH each time it is used (an absent file: no faults): a rehearsal
+writes faults there while the job runs (`megascale rehearse --soak`), for an attempt and step to come.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megascale.errors import ConfigError
 INJECT = "MEGASCALE_INJECT"
 ATTEMPT = "MEGASCALE_ATTEMPT"
 KINDS = {"kill", "hang", "nan", "slow", "diagnose_fail", "link_fail", "corrupt_checkpoint"}
+RANK_KINDS = {"kill", "hang", "nan", "slow"}  # the faults a training process injects into itself
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,20 @@ class Fault:
         return self.params.get(name, default)
 
 
+def read_spec(spec: str | None) -> str:
+    """The spec itself, or the current contents of the file an `@PATH` spec names ("" while it is absent)."""
+    if spec and spec.startswith("@"):
+        try:
+            return Path(spec[1:]).read_text()
+        except FileNotFoundError:
+            return ""
+    return spec or ""
+
+
 def parse_faults(spec: str | None) -> list[Fault]:
-    """`kind:key=value:...` items separated by commas; raises ValueError naming the bad item."""
+    """`kind:key=value:...` items separated by commas (or lines); raises ValueError naming the bad item."""
     faults = []
-    for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+    for item in filter(None, (part.strip() for part in read_spec(spec).replace("\n", ",").split(","))):
         kind, *pairs = item.split(":")
         if kind not in KINDS:
             raise ValueError(f"unknown fault {kind!r} in {item!r}; known: {', '.join(sorted(KINDS))}")
@@ -80,14 +94,33 @@ class FaultInjector:
     """The faults of one training rank, called by the trainer around each step."""
 
     def __init__(self, spec: str | None, rank: int, attempt: int | None = None):
-        attempt = int(os.environ.get(ATTEMPT, "0")) if attempt is None else attempt
-        spec = spec if spec is not None else os.environ.get(INJECT)
-        check_spec(spec)
-        self.faults = [
+        self.attempt = int(os.environ.get(ATTEMPT, "0")) if attempt is None else attempt
+        self.spec = spec if spec is not None else os.environ.get(INJECT)
+        self.rank = rank
+        check_spec(self.spec)
+        self._faults = self._read()
+        self._file_state: tuple[float, int] | None = None  # an `@PATH` spec's (mtime, size) when read
+
+    def _read(self) -> list[Fault]:
+        return [
             fault
-            for fault in active_faults(spec, attempt)
-            if fault.kind in {"kill", "hang", "nan", "slow"} and int(fault.get("rank", rank)) == rank
+            for fault in active_faults(self.spec, self.attempt)
+            if fault.kind in {"kill", "hang", "nan", "slow"}
+            and int(fault.get("rank", self.rank)) == self.rank
         ]
+
+    @property
+    def faults(self) -> list[Fault]:
+        """This rank's faults of this attempt; an `@PATH` spec is read again when its file changed."""
+        if self.spec and self.spec.startswith("@"):
+            try:
+                stat = os.stat(self.spec[1:])
+                state = (stat.st_mtime, stat.st_size)
+            except FileNotFoundError:
+                state = None
+            if state != self._file_state:
+                self._file_state, self._faults = state, self._read()
+        return self._faults
 
     def __bool__(self) -> bool:
         return bool(self.faults)

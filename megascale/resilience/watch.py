@@ -31,8 +31,8 @@ SECONDARY_SIGNALS = {"SIGTERM", "SIGABRT", "SIGINT"}
 
 @dataclass
 class Fault:
-    # process_exit | input_error | executor_lost | heartbeat_lost | hang | comm_flat | loss_spike |
-    # slow_steps | straggler
+    # process_exit | rank_exit | rank_stopped | input_error | heartbeat_lost | hang |
+    # comm_flat | loss_spike | slow_steps | straggler
     kind: str
     node: str | None
     detail: str
@@ -106,6 +106,8 @@ class AttemptWatch:
         self.stragglers: set[int] = set()  # ranks already reported
         self.said_step = -1  # of the last progress line
         self.first_failure_seen: float | None = None
+        self.lost: dict[int, str] = {}  # rank: node, of ranks whose process ended, in the order seen
+        self.first_lost_seen: float | None = None
 
     def run(self) -> Fault | None:
         while True:
@@ -119,9 +121,10 @@ class AttemptWatch:
     def poll(self, now: float) -> Fault | bool | None:
         """One reading of the heartbeats: a Fault, True once every node finished cleanly, else None."""
         driver = self.driver
-        for node in filter(driver.executor_exited, self.nodes):
-            code = driver.executors[node].returncode
-            return Fault("executor_lost", node, f"its executor exited with status {code}", self.last_step)
+        for node in list(filter(driver.executor_exited, self.nodes)):
+            # Started again, the node's executor adopts its processes (executor.py): the attempt trains on,
+            # and a node whose processes died with the executor reports the attempt failed.
+            driver.replace_executor(node)
         beats = {node: driver._beat(node) for node in self.nodes}
         current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == self.attempt}
         self._say_persist_failures(beats)
@@ -134,18 +137,51 @@ class AttemptWatch:
             for node, beat in current.items()
             if beat["state"] == "exited" and beat["exit_code"] != 0
         }
+        fault = self._input_error(current) or self._lost_or_stopped(now, current)
+        if fault is not None:
+            return fault
+        if self.lost:  # gathering
+            return None
         if failed:
             return self._failure(now, failed)
         if len(current) == len(self.nodes) and all(beat["state"] == "exited" for beat in current.values()):
             return True
         return self._progress(now, current)
 
+    def _input_error(self, beats: dict[str, dict[str, Any]]) -> Fault | None:
+        """An error in the job's input that a rank reported before it exits: a restart would meet it again,
+        so no gathering, no diagnosis, no retry."""
+        for node, beat in beats.items():
+            if errors := beat.get("input_errors"):
+                detail = f"rank {errors[0]['rank']}: {errors[0]['message']}"
+                return Fault("input_error", node, detail, self.last_step)
+        return None
+
+    def _lost_or_stopped(self, now: float, beats: dict[str, dict[str, Any]]) -> Fault | None:
+        """A rank whose process ended, or stopped for resilience.stopped_timeout_s without a step, while
+        its node's torchrun still runs (the executor reads it from /proc). Ended ranks are gathered for
+        one heartbeat interval, so that ranks struck at once on several nodes are all on record; the
+        fault is put on the node where one was seen first."""
+        for node, beat in beats.items():
+            for rank in beat.get("lost_ranks", []):
+                self.lost.setdefault(rank, node)
+        if self.lost:
+            self.first_lost_seen = self.first_lost_seen or now
+            if now - self.first_lost_seen >= self.res.heartbeat_interval_s:
+                ranks = sorted(self.lost)
+                detail = f"rank {', '.join(map(str, ranks))} ended while its torchrun ran"
+                extra = {"ranks": ranks, "nodes": {str(rank): node for rank, node in self.lost.items()}}
+                return Fault("rank_exit", next(iter(self.lost.values())), detail, self.last_step, extra)
+        timeout_s = self.res.stopped_timeout_s
+        for node, beat in beats.items() if timeout_s > 0 else ():
+            stopped = beat.get("stopped_ranks", {})
+            if ranks := sorted(int(rank) for rank, seconds in stopped.items() if timeout_s <= seconds):
+                seconds = max(stopped[str(rank)] for rank in ranks)
+                detail = f"rank {', '.join(map(str, ranks))} stopped for {seconds:.1f} s without a step"
+                return Fault("rank_stopped", node, detail, self.last_step, {"ranks": ranks})
+        return None
+
     def _failure(self, now: float, failed: dict[str, dict[str, Any]]) -> Fault | None:
-        input_errors = [error for beat in failed.values() for error in beat.get("input_errors", [])]
-        if input_errors:  # a restart would meet it again: no gathering, no diagnosis, no retry
-            node = next(node for node, beat in failed.items() if beat.get("input_errors"))
-            detail = f"rank {input_errors[0]['rank']}: {input_errors[0]['message']}"
-            return Fault("input_error", node, detail, self.last_step)
         # One dead rank brings down its peers on every node within a second or so, and a peer's node may
         # report first; a second fault may strike another node meanwhile. So the failures are gathered for
         # two heartbeats (three while no node shows a rank a signal struck) before the fault is named: the
@@ -169,6 +205,8 @@ class AttemptWatch:
         silent_s = self.traffic.observe(now, sum(beat.get("io_bytes", 0) for beat in current.values()))
         if steps:
             self._say_progress(reports)
+        if self.last_step >= 0:
+            self.driver.keep_standby(self.nodes, self.attempt)
         if steps and max(steps) != self.last_step:
             self.last_step, self.last_change = max(steps), now
             if not self.recovered:  # the first step of a restarted attempt (reports are per attempt)

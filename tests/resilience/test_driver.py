@@ -85,7 +85,9 @@ def test_sigkill_of_a_random_rank_is_recovered_with_identical_losses(reference, 
     assert sorted(event["node"] for event in events[1:3]) == ["node-0", "node-1"]
     fault = next(event for event in events if event["event"] == "fault")
     restart = next(event for event in events if event["event"] == "restart")
-    assert fault["kind"] == "process_exit" and restart["attempt"] == 1
+    # The rank's end seen by its executor in /proc (rank_exit), or through torchrun's exit (process_exit).
+    assert fault["kind"] in ("rank_exit", "process_exit") and restart["attempt"] == 1
+    assert fault["kind"] == "process_exit" or rank in fault["ranks"]
     assert losses(run_dir) == reference  # bit for bit, every step
     said = (run_dir / "driver.log").read_text()  # the job's pace on the driver's console and in its log
     assert "attempt 0 | step " in said and f"attempt 1 | step {STEPS}/{STEPS} | loss" in said
@@ -145,9 +147,14 @@ def test_two_hosts_train_as_one_job_and_recover_two_ranks_killed_at_once(
     joined = {event["node"]: event["address"] for event in events if event["event"] == "joined"}
     assert joined == {"host-a": "10.77.0.1", "host-b": "10.77.0.2"}
     (fault,) = [event for event in events if event["event"] == "fault"]
-    assert fault["kind"] == "process_exit" and {fault["node"], *fault["also_struck"]} == {"host-a", "host-b"}
-    struck = {rank: name for rank, name in fault["signalled_ranks"].items() if name == "SIGKILL"}
-    assert struck == {"1": "SIGKILL", "3": "SIGKILL"}  # their peers got torchrun's SIGTERM
+    if fault["kind"] == "rank_exit":  # seen by the executors in /proc, gathered for a heartbeat interval
+        assert {1, 3} <= set(fault["ranks"]) and fault["nodes"]["1"] == "host-a"
+        assert fault["nodes"]["3"] == "host-b"
+    else:  # torchrun exited first on both hosts: its failure summaries name the signals
+        assert fault["kind"] == "process_exit"
+        assert {fault["node"], *fault["also_struck"]} == {"host-a", "host-b"}
+        struck = {rank: name for rank, name in fault["signalled_ranks"].items() if name == "SIGKILL"}
+        assert struck == {"1": "SIGKILL", "3": "SIGKILL"}  # their peers got torchrun's SIGTERM
     assert kinds(events)[-1] == "done" and losses(run_dir) == reference
     # Ranks follow the addresses: 0-1 on the first host, 2-3 on the second, in both attempts.
     for host, ranks in (
@@ -161,14 +168,13 @@ def test_two_hosts_train_as_one_job_and_recover_two_ranks_killed_at_once(
 
 
 @pytest.mark.slow
-def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
+def test_a_killed_executor_is_started_again_and_adopts_its_nodes_processes(
     reference, tiny_corpus, tmp_path, monkeypatch
 ):
     """SIGKILL of node-1's executor mid-run, from outside (an operator, the OOM killer). Its torchrun and
-    ranks would live on as orphans; the driver sees the executor exit, kills them, starts the node's
-    executor again (it adopts the node's staging and persists what the dead one had not), restarts without
-    waiting for an answer that cannot come, and ends with the reference's losses: no process of the job
-    and no byte of its staging left."""
+    ranks train on; the driver sees the executor exit and starts it again, and the new one adopts them
+    (the dead one's record, executor.json): no fault, no restart, not a step lost; the job ends with the
+    reference's losses, and no process of the job and no byte of its staging is left."""
     run_dir, args, base = two_node_job(tiny_corpus, tmp_path, monkeypatch, "executor-killed")
     launch = start_launch(args, tmp_path)
     try:
@@ -181,19 +187,12 @@ def test_a_killed_executor_fails_its_node_at_once_and_leaves_nothing_behind(
         stop(launch)
     assert launch.returncode == 0, err[-4000:]
     events = read_events(run_dir)
-    fault = next(event for event in events if event["event"] == "fault")
-    assert fault["kind"] == "executor_lost" and fault["node"] == "node-1"
-    fenced = next(event for event in events if event["event"] == "fenced")
-    restart = next(event for event in events if event["event"] == "start" and event["attempt"] == 1)
-    print(
-        f"executor loss detected {fault['time'] - killed_at:.1f} s after the kill, "
-        f"{len(fenced['killed'])} processes of its node killed; next attempt "
-        f"{restart['time'] - fault['time']:.1f} s after detection"
-    )
-    assert fault["time"] - killed_at < 3.0 and len(fenced["killed"]) == 3  # torchrun and its two ranks
-    assert "executor_replaced" in kinds(events) and kinds(events)[-1] == "done"
-    assert restart["time"] - fault["time"] < 20.0  # no wait on the lost node's heartbeat or self-check
+    replaced = next(event for event in events if event["event"] == "executor_replaced")
+    print(f"executor replaced {replaced['time'] - killed_at:.1f} s after the kill")
+    assert replaced["node"] == "node-1" and replaced["time"] - killed_at < 10.0
+    assert "fault" not in kinds(events) and "restart" not in kinds(events) and kinds(events)[-1] == "done"
     assert losses(run_dir) == reference
+    assert not list(run_dir.glob("nodes/*/attempt-1")), "the attempt was restarted"
     assert not _processes_of(run_dir), "processes of the job outlived it"
     assert not list(base.glob("megascale-*")), "the job's staging outlived it"
 
@@ -370,7 +369,7 @@ def test_a_stopped_rank_is_named_and_its_node_evicted_when_it_hangs_again(refere
         tiny_corpus, run_dir, tmp_path / "data", *JOB, NODE_CHECKS_ONLY,
         "--resilience.nodes=2", "--resilience.nproc_per_node=2", "--resilience.spares=1",
         "--resilience.comm_flat_timeout_s=5", "--resilience.hang_timeout_s=300", "--metrics.hang_dump_s=2",
-        "--parallel.timeout_s=300",
+        "--parallel.timeout_s=300", "--resilience.stopped_timeout_s=0",  # found as a hang, not by its state
     )  # fmt: skip
     job = start_launch(args, tmp_path)
     try:
@@ -553,7 +552,7 @@ def test_nan_rollback_restarts_from_the_checkpoint(tiny_corpus, tmp_path):
     )
     events = read_events(run_dir)
     fault = next(event for event in events if event["event"] == "fault")
-    assert fault["kind"] == "process_exit" and "status 1" in fault["detail"]
+    assert fault["kind"] in ("rank_exit", "process_exit")  # the ranks exit with status 1
     assert next(e for e in events if e["event"] == "restart")["checkpoint_step"] == 4
     assert kinds(events)[-1] == "done" and max(losses(run_dir)) == STEPS
 
