@@ -381,48 +381,78 @@ class Checkpointer:
                 time.sleep(0.1)
         self._barrier()
 
-    def restore_from_memory(self, state: dict[str, Any], cfg: JobConfig) -> dict[str, Any] | None:
-        """Load into `state` the newest snapshot that every rank still holds in its node's memory, when it
-        is at least as new as the newest committed checkpoint and laid out as `state` is; returns its
-        descriptor, or None (nothing read). Collective.
+    def restore_from_memory(
+        self, state: dict[str, Any], cfg: JobConfig, replicas: dist.ProcessGroup | None = None
+    ) -> dict[str, Any] | None:
+        """Load into `state` the newest snapshot that every rank, or a data-parallel replica of it
+        (`replicas`: its group), still holds in its node's memory, when it is at least as new as the
+        newest committed checkpoint and laid out as `state` is; returns its descriptor, or None (nothing
+        read). Collective.
 
         No storage is read: a restart on the same nodes (the driver's standby, or any restart that keeps
-        each rank on its node) resumes in the time of a memory copy. A snapshot that a save took and that
+        each rank on its node) resumes in the time of a memory copy, and a rank on a node that replaced a
+        lost one receives its state from a replica that holds it. A snapshot that a save took and that
         never reached storage, nor is waiting for stage 2 on any node, is handed to stage 2 now, in the
         background, as the save would have: a crash just after stage 1 loses nothing."""
-        slots, tree = self._snapshots(), flatten(state)
+        slots, tree, rank = self._snapshots(), flatten(state), dist.get_rank() if _distributed() else 0
         held = slots.held(state, tree)
         committed = list_checkpoints(self.root)
-        newest_committed = committed[-1][0] if committed else -1
-        staged = [int(path.name.split("-")[1]) for path in pending(staging_root(self.root))]
-        mine = (sorted(held), newest_committed, staged)
+        mine: dict[str, Any] = {
+            "rank": rank,
+            "held": sorted(held),
+            "committed": committed[-1][0] if committed else -1,
+            "staged": [int(path.name.split("-")[1]) for path in pending(staging_root(self.root))],
+            "replicas": dist.get_process_group_ranks(replicas) if replicas is not None else [rank],
+            "node": str(staging_root(self.root)),
+        }
         views: list[Any] = [mine]
         if _distributed():
             views = [None] * dist.get_world_size(self.process_group)
             dist.all_gather_object(views, mine, group=self.process_group)
-        common = set.intersection(*(set(steps) for steps, _, _ in views))
-        newest_committed = max(newest for _, newest, _ in views)
-        step = max(common, default=-1)
-        if step < 0 or step < newest_committed:
-            newest_held = max((max(steps, default=-1) for steps, _, _ in views), default=-1)
-            if newest_held > newest_committed:
+        by_rank = {view["rank"]: view for view in views}
+        newest_committed = max(view["committed"] for view in views)
+
+        def covered(step: int) -> bool:  # every rank holds it, or a replica of it does
+            return all(
+                any(step in by_rank[peer]["held"] for peer in view["replicas"] if peer in by_rank)
+                for view in views
+            )
+
+        candidates = sorted({step for view in views for step in view["held"]}, reverse=True)
+        step = next((step for step in candidates if step >= newest_committed and covered(step)), -1)
+        if step < 0:
+            if candidates and candidates[0] > newest_committed:
                 log.warning(
-                    "checkpoint: a snapshot of step %d is in memory but not on every rank in this layout; "
-                    "resuming from the newest committed checkpoint",
-                    newest_held,
+                    "checkpoint: a snapshot of step %d is in memory but not on every rank (or a replica of "
+                    "it) in this layout; resuming from the newest committed checkpoint",
+                    candidates[0],
                 )
             return None
-        meta = held[step]
-        descriptor = meta["descriptor"]
+        holders = sorted(view["rank"] for view in views if step in view["held"])
+        carried: list[Any] = (
+            [(held[step]["descriptor"], bool(held[step].get("persist")))] if step in held else [None]
+        )
+        if _distributed():
+            dist.broadcast_object_list(carried, src=holders[0], group=self.process_group)
+        descriptor, persist = carried[0]
         check_resumable(f"the snapshot of step {step} in host memory", descriptor, cfg)
-        staged_state = slots.restore_into(state, tree, step)
-        waiting = any(step in pending_steps for _, _, pending_steps in views)  # stage 2 has it
-        if meta.get("persist") and step > newest_committed and not waiting:
+        staged_state = slots.restore_into(state, tree, step) if step in held else None
+        group_holders = [peer for peer in mine["replicas"] if peer in holders]
+        if replicas is not None and len(group_holders) < len(mine["replicas"]):
+            _broadcast_state(state, group_holders[0], replicas)  # to the replicas that lack it
+        waiting = any(step in view["staged"] for view in views)  # stage 2 has it
+        if persist and step > newest_committed and not waiting:
             log.warning(
                 "checkpoint: step %d was only in host memory when the previous run stopped; writing it now",
                 step,
             )
+            if staged_state is None:  # received from a replica: a snapshot of its own first
+                staged_state = slots.take(state, {"step": step, "descriptor": descriptor, "persist": True})
             self._start_stage_two(step, staged_state, descriptor)
+        else:
+            self._barrier()  # every rank has read what it needs of the node's buffers
+            if _is_node_main():
+                slots.remove_others({view["rank"] for view in views if view["node"] == mine["node"]})
         return descriptor
 
     # -- finding and loading --------------------------------------------------------------------------
@@ -484,7 +514,7 @@ class Checkpointer:
         executor = os.environ.get(PERSISTER) == "executor"
         if not executor:
             self.persist_leftovers()
-        if cfg.checkpoint.resume and (descriptor := self.restore_from_memory(state, cfg)) is not None:
+        if cfg.checkpoint.resume and (descriptor := self.restore_from_memory(state, cfg, replicas)):
             saved_layout, step = descriptor.get("layout", "1 process"), descriptor.get("step")
             log.info("resumed from the snapshot of step %s in host memory (%s)", step, saved_layout)
             if changes := changes_since(descriptor, cfg):

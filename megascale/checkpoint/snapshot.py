@@ -82,15 +82,17 @@ def load_into(state: dict[str, Any], tree: dict[str, Any], values: dict[LeafPath
 
 
 def _signature(path: LeafPath, tensor: torch.Tensor) -> tuple:
-    """What identifies a tensor's bytes: its name, dtype, local shape, and for a DTensor which shard."""
+    """What identifies a tensor's bytes: its name, dtype, local shape, and for a DTensor which shard: its
+    coordinates along the mesh dimensions it is sharded over (along a replicated one every rank holds the
+    same bytes, so a replica's snapshot fits too)."""
     local = local_shard(tensor)
     shard = None
     if isinstance(tensor, DTensor):
-        shard = (
-            tuple(tensor.shape),
-            repr(tensor.placements),
-            tuple(tensor.device_mesh.get_coordinate() or ()),
-        )
+        coordinate = tensor.device_mesh.get_coordinate() or ()
+        sharded = [
+            index for index, placement in zip(coordinate, tensor.placements) if not placement.is_replicate()
+        ]
+        shard = (tuple(tensor.shape), repr(tensor.placements), tuple(sharded))
     return (path, str(local.dtype), tuple(local.shape), shard)
 
 
@@ -219,12 +221,18 @@ class SnapshotBuffer:
 
 class SnapshotSlots:
     """A rank's two snapshot buffers, taken in turn, so that the newest snapshot is never the one being
-    overwritten. `newest` is the slot holding the newest snapshot this process took or restored."""
+    overwritten. `newest` is the slot holding the newest snapshot this process took or restored.
+
+    A restarted rank may also restore from another rank's buffer on its node whose tensors are laid out as
+    its own (a data-parallel replica's, left there by a rank that ran on this node before the ranks were
+    numbered anew, after a node was replaced)."""
 
     def __init__(self, directory: Path, rank: int):
+        self.directory, self.rank = Path(directory), rank
         self.buffers = [SnapshotBuffer(directory, rank, slot) for slot in SLOTS]
         self.newest: int | None = None
-        self._held: dict[int, tuple[int, dict[str, Any], dict[str, Any]]] = {}  # step -> (slot, meta, views)
+        # step -> (own slot, or None for another rank's buffer; meta; the state as views of the buffer)
+        self._held: dict[int, tuple[int | None, dict[str, Any], dict[str, Any]]] = {}
 
     def next_slot(self) -> int:
         """The slot the next snapshot goes into: the one not holding the newest."""
@@ -243,12 +251,18 @@ class SnapshotSlots:
         return staged
 
     def held(self, state: dict[str, Any], tree: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """The snapshots a previous process left in these slots that fit `state` (`tree`: it flattened), as
-        {step: meta}."""
+        """The snapshots previous processes left on this node that fit `state` (`tree`: it flattened), as
+        {step: meta}: this rank's own slots first, then any other rank's buffer laid out alike."""
         self._held.clear()
-        for slot, buffer in enumerate(self.buffers):
+        own = {buffer.record_path for buffer in self.buffers}
+        others = [
+            SnapshotBuffer(self.directory, int(path.stem.split("-")[1]), path.stem.split("-")[2])
+            for path in sorted(self.directory.glob("rank-*-*.snapshot"))
+            if path not in own
+        ]
+        for slot, buffer in [*enumerate(self.buffers), *((None, other) for other in others)]:
             restored = buffer.restore(state, tree)
-            if restored is not None:
+            if restored is not None and int(restored[0]["step"]) not in self._held:
                 meta, staged = restored
                 self._held[int(meta["step"])] = (slot, meta, staged)
         return {step: meta for step, (_, meta, _) in sorted(self._held.items())}
@@ -266,6 +280,14 @@ class SnapshotSlots:
         self.newest = slot
         self._held.clear()
         return staged
+
+    def remove_others(self, ranks: set[int]) -> None:
+        """Delete the buffers of ranks not in `ranks` (this node's now): what ranks that ran here before the
+        ranks were numbered anew left behind. Call it once no rank will read them."""
+        for path in {*self.directory.glob("rank-*-*.bin"), *self.directory.glob("rank-*-*.snapshot")}:
+            _, rank, slot = path.stem.split("-")
+            if int(rank) not in ranks:
+                SnapshotBuffer(self.directory, int(rank), slot).close()
 
     def close(self) -> None:
         for buffer in self.buffers:

@@ -2,6 +2,7 @@
 checkpoint and sends it to the other. The resumed run is identical to one where every rank reads, and
 storage serves half the bytes."""
 
+import os
 import shutil
 
 import pytest
@@ -131,3 +132,58 @@ def test_restarted_ranks_resume_from_the_newest_snapshot_every_rank_holds_in_mem
     reference = straight[0][1]
     assert resumed[0][1] == {step: reference[step] for step in range(3, STEPS + 1)}  # bit for bit
     assert not (tmp_path / "run" / "checkpoints" / "step-00000002").exists()  # nothing was read or written
+
+
+HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.pp=1"]
+
+
+def on_node(base, rank, numbering):
+    """Put this rank's staging (its snapshot buffers) on its node: `numbering[rank]` names the node."""
+    os.environ["MEGASCALE_STAGING_DIR"] = str(base / numbering[rank])
+
+
+def snapshots_then_killed(rank, world_size, corpus, data_dir, run_dir, base):
+    on_node(base, rank, ["node-0", "node-0", "node-1", "node-1"])
+    trainer = trainer_for(corpus, data_dir, run_dir, *HSDP, *SNAPSHOTS)
+    while trainer.step < 4:
+        trainer.train_step()
+        trainer.step += 1
+        if trainer.step % 2 == 0:
+            trainer.snapshot()
+
+
+def renumbered_restart(rank, world_size, corpus, data_dir, run_dir, base):
+    """node-0 is gone; node-1 now runs ranks 0-1 (it held ranks 2-3: their replicas), node-2 is new."""
+    on_node(base, rank, ["node-1", "node-1", "node-2", "node-2"])
+    trainer = trainer_for(corpus, data_dir, run_dir, *HSDP, *SNAPSHOTS)
+    left = sorted(path.name.split("-")[1] for path in (base / "node-1" / "snapshots").glob("*.bin"))
+    resumed_from = trainer.step
+    trainer.train()
+    losses = {record["step"]: record["loss"] for record in read_metrics(run_dir)} if rank == 0 else None
+    return resumed_from, losses, left
+
+
+def straight_hsdp(rank, world_size, corpus, data_dir, run_dir, base):
+    on_node(base, rank, ["a", "a", "b", "b"])
+    trainer_for(corpus, data_dir, run_dir, *HSDP, *SNAPSHOTS).train()
+    return {record["step"]: record["loss"] for record in read_metrics(run_dir)} if rank == 0 else None
+
+
+def test_a_replaced_node_restores_from_the_replicas_memory_and_the_survivors_from_their_old_buffers(
+    tiny_corpus, tmp_path
+):
+    """dp_replicate=2 x dp_shard=2, a replica on each of two nodes. node-0 is lost with its memory; the
+    survivor node-1 is numbered ranks 0-1 now and a new node-2 ranks 2-3. Ranks 0-1 restore from the
+    buffers ranks 2-3 left on node-1 (their replicas: the same shards); ranks 2-3 hold nothing and receive
+    the state from ranks 0-1. The run resumes at step 4 from memory and trains the straight run's losses;
+    the old ranks' buffers on node-1 are gone once read."""
+    data, base = tmp_path / "data", tmp_path / "shm"
+    straight = run_ranks(straight_hsdp, 4, tiny_corpus, data, tmp_path / "straight", base)
+    run_ranks(snapshots_then_killed, 4, tiny_corpus, data, tmp_path / "run", base)
+    shutil.rmtree(base / "node-0")
+    resumed = run_ranks(renumbered_restart, 4, tiny_corpus, data, tmp_path / "run", base)
+    assert [step for step, _, _ in resumed] == [4] * 4
+    reference = straight[0]
+    assert resumed[0][1] == {step: reference[step] for step in range(5, STEPS + 1)}  # bit for bit
+    assert resumed[0][2] == ["00000", "00000", "00001", "00001"]  # ranks 2-3's buffers removed
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000004").exists()
