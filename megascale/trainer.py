@@ -117,7 +117,8 @@ class Trainer(Stateful):
     def _stand_by(self) -> None:
         """A warm standby, built ahead of a fault: do now what the first step after taking over would wait
         for, then wait to be activated (resilience/client.py)."""
-        flatten(self.checkpoint_state())  # the state-dict machinery's first call, off the critical path
+        state = self.checkpoint_state()  # the state-dict machinery's first call, off the critical path
+        flatten({part: state[part] for part in ("model", "optimizer")})
         gc.collect()
         gc.freeze()  # what exists now is never walked again: the loop's first collection is short
         wait_until_activated(self.rank)

@@ -260,3 +260,35 @@ def test_validation_takes_the_same_sequences_whatever_the_micro_batch(tiny_confi
         losses.append(trainer.validate())
         trainer.close()
     assert abs(losses[0] - losses[1]) <= 1e-6
+
+
+def test_a_warm_standby_builds_says_it_is_ready_waits_and_then_resumes(tiny_config, tmp_path, monkeypatch):
+    """MEGASCALE_STANDBY: the trainer builds everything, writes standby-<rank>.json, and resumes only once
+    the file it names exists, from the newest state (here a run's checkpoint), as any restart would."""
+    import gc
+
+    Trainer(tiny_config("--training.steps=4", run_dir=tmp_path / "run")).train()
+    go = tmp_path / "attempt-1" / "go"
+    go.parent.mkdir()
+    monkeypatch.setenv("MEGASCALE_STANDBY", str(go))
+    monkeypatch.setenv("MEGASCALE_HEARTBEAT_DIR", str(go.parent))
+    built: list[Trainer] = []
+    standby = threading.Thread(
+        target=lambda: built.append(Trainer(tiny_config("--training.steps=6", run_dir=tmp_path / "run")))
+    )
+    try:
+        standby.start()
+        deadline = time.monotonic() + 60
+        while not (go.parent / "standby-0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (go.parent / "standby-0.json").exists() and not built  # ready, and waiting
+        go.touch()
+        standby.join(timeout=60)
+        (trainer,) = built
+        assert trainer.step == 4
+        trainer.train()
+        assert trainer.step == 6
+    finally:
+        go.touch()
+        standby.join(timeout=60)
+        gc.unfreeze()

@@ -132,8 +132,9 @@ class NodeControl:
         self.events.write("fenced", node=node, killed=killed)
 
     def replace_executor(self, node: str) -> None:
-        """Start `node`'s executor again (one this driver started) and wait for its first heartbeat: it
-        adopts the node's staging directory and persists the snapshots the dead one had not."""
+        """Start `node`'s executor again (one this driver started) and wait for its first heartbeat (or its
+        exit): it adopts the node's processes and staging directory, and persists the snapshots the dead
+        one had not."""
         old = self.executors.pop(node)
         if old.poll() is None:  # its heartbeat stopped, but it lives: hung
             with contextlib.suppress(ProcessLookupError):
@@ -145,7 +146,7 @@ class NodeControl:
         while time.time() < deadline:
             self.discover()
             beat = self._beat(node)
-            if beat is not None and beat["time"] > started:
+            if (beat is not None and beat["time"] > started) or self.executor_exited(node):
                 break
             time.sleep(min(0.2, self.res.heartbeat_interval_s))
         self.events.write("executor_replaced", node=node, exit_code=old.returncode)

@@ -68,3 +68,16 @@ def test_a_bad_spec_is_a_config_error_before_anything_starts(tmp_path):
     assert result.stderr.strip() == (
         "error: config: resilience.inject = 'kill:rank': fault 'kill:rank': 'rank' is not key=number"
     )
+
+
+def test_a_file_spec_is_read_again_whenever_the_file_changes(tmp_path):
+    """`@PATH`: the soak writes faults for an attempt and a step to come while the job runs."""
+    spec = tmp_path / "faults.txt"
+    injector = FaultInjector(f"@{spec}", rank=0, attempt=2)
+    assert not injector and active_faults(f"@{spec}", 2) == []  # no file yet: no faults
+    spec.write_text("nan:step=5:attempt=2\ndiagnose_fail:node=1:attempt=2\n")
+    assert math.isnan(injector.loss_scale(5)) and injector.loss_scale(4) == 1.0
+    assert [fault.kind for fault in active_faults(f"@{spec}", 2)] == ["nan", "diagnose_fail"]
+    assert not FaultInjector(f"@{spec}", rank=0, attempt=3)  # a restarted attempt replays cleanly
+    spec.write_text("kill:rank=1:step=9:attempt=2\n")
+    assert injector.loss_scale(5) == 1.0  # the file changed: the NaN is gone
