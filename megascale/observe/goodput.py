@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import bisect
 import html
+import json
+from pathlib import Path
 from typing import Any
+
+from megascale.observe.metrics import read_metrics
 
 Records = list[dict[str, Any]]
 MAX_POINTS = 3000  # a long run's chart keeps a few thousand points
@@ -83,12 +87,23 @@ def progress_chart(
         f'<text x="{width - right}" y="{height - 8}" text-anchor="end">{x_max:.0f} s</text>',
     ]
     for fault in faults:
-        x = px(fault["time"] - began)
+        x, name = px(fault["time"] - began), html.escape(fault["fault"])
         parts.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{height - bottom}" stroke="#d62728" '
-            f'stroke-dasharray="3 2"><title>{html.escape(fault["fault"])} at '
-            f"{fault['time'] - began:.0f} s</title></line>"
+            f'stroke-dasharray="3 2"><title>{name} at {fault["time"] - began:.0f} s</title></line>'
+            f'<text transform="translate({x + 3:.1f} {top + 4}) rotate(90)" font-size="9" '
+            f'fill="#d62728">{name}</text>'
         )
     step_path = "".join(f"{'L' if i else 'M'}{px(x):.1f} {py(y):.1f}" for i, (x, y) in enumerate(points))
     parts.append(f'<path d="{step_path}" fill="none" stroke="#1f77b4" stroke-width="1.4"/>')
     return "".join(parts) + "</svg>"
+
+
+def goodput_section(run_dir: Path) -> dict[str, tuple[str, str]]:
+    """The run report's chart of a soak, where `megascale rehearse --soak` left soak.json in its job's run
+    directory: {anchor: (title, svg)}, empty otherwise."""
+    if not (run_dir / "soak.json").is_file():
+        return {}
+    soak = json.loads((run_dir / "soak.json").read_text())
+    chart = progress_chart(read_metrics(run_dir), soak["faults"], soak["began"])
+    return {"chart-goodput": (f"Goodput under {len(soak['faults'])} faults: ETTR {soak['ettr']:.1%}", chart)}

@@ -25,6 +25,7 @@ from typing import Any
 
 from megascale.errors import MegascaleError
 from megascale.observe.events import read_events
+from megascale.observe.goodput import goodput_section
 from megascale.observe.hang import HANG
 from megascale.observe.metrics import read_metrics
 from megascale.observe.trace import MERGED, sessions
@@ -33,7 +34,7 @@ Records = list[dict[str, Any]]
 Series = tuple[str, str, list[tuple[float, float]]]  # label, colour, (step, value) points
 
 MAX_COLUMNS = 300
-WIDE_SECTIONS = {"chart-breakdown", "heatmap-ranks", "heatmap-ep", "table-events"}  # the page's full width
+WIDE_SECTIONS = {"chart-breakdown", "heatmap-ranks", "heatmap-ep", "table-events", "chart-goodput"}
 WIDE, NARROW = 1280, 640  # SVG user units; the page scales them to the column's width
 KINDS = [  # the step's time by kind (timeline.py), bottom to top of the stacked bars
     ("compute_s", "compute", "#4878b8"),
@@ -94,6 +95,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         "table-stragglers": ("Stragglers", _straggler_table(stragglers)),
         "link-trace": ("Trace", _trace_link(run_dir, out)),
         "table-events": ("Events (resilience driver)", _event_table(events)),
+        **goodput_section(run_dir),
     }
     body = "\n".join(_section(anchor, title, content) for anchor, (title, content) in sections.items())
     page = (

@@ -20,7 +20,12 @@ from typing import Any
 
 HEARTBEAT_DIR = "MEGASCALE_HEARTBEAT_DIR"
 STANDBY = "MEGASCALE_STANDBY"  # the file whose appearance activates a warm standby
-EXECUTOR_PID = "MEGASCALE_EXECUTOR_PID"  # a standby whose executor is gone exits
+# A standby follows its node's executor through the record every executor writes (executor.json, naming
+# itself): a killed executor's successor adopts the standby, and a standby that sees no live executor
+# there for the grace (the driver's heartbeat_timeout_s + startup_timeout_s: time to notice the death and
+# start a successor) exits.
+EXECUTOR_RECORD = "MEGASCALE_EXECUTOR_RECORD"
+EXECUTOR_GRACE = "MEGASCALE_EXECUTOR_GRACE_S"
 POLL_S = 0.01  # how often a standby looks for its activation
 
 
@@ -56,8 +61,8 @@ def is_standby() -> bool:
 
 def wait_until_activated(rank: int) -> bool:
     """Block while this process is a warm standby (MEGASCALE_STANDBY set), once it has said it is ready;
-    True when it was one and has been activated, False when it never was one. Raises ExecutorGone if
-    its executor dies first."""
+    True when it was one and has been activated, False when it never was one. Raises ExecutorGone when
+    no live executor has been on its node for the grace (its executor died and none adopted it)."""
     go = os.environ.get(STANDBY)
     if not go:
         return False
@@ -65,17 +70,34 @@ def wait_until_activated(rank: int) -> bool:
     staged = ready.with_suffix(".tmp")
     staged.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time()}))
     os.replace(staged, ready)
-    executor = int(os.environ.get(EXECUTOR_PID, "0"))
+    record = os.environ.get(EXECUTOR_RECORD)
+    grace_s = float(os.environ.get(EXECUTOR_GRACE, "0"))
     checked = time.monotonic()
+    alone_since: float | None = None  # since when no live executor has been on the node
     while not os.path.exists(go):
         time.sleep(POLL_S)
-        if executor and time.monotonic() - checked > 1.0:
+        if record and time.monotonic() - checked > 1.0:
             checked = time.monotonic()
-            try:
-                os.kill(executor, 0)
-            except ProcessLookupError:
-                raise ExecutorGone(f"standby rank {rank}: its executor (pid {executor}) is gone") from None
+            if executor_alive(Path(record)):
+                alone_since = None
+            elif alone_since is None:
+                alone_since = checked
+            elif checked - alone_since > grace_s:
+                raise ExecutorGone(
+                    f"standby rank {rank}: no executor on its node for {grace_s:.0f} s ({record})"
+                )
     return True
+
+
+def executor_alive(record: Path) -> bool:
+    """Whether the executor that last wrote the node's record (`executor.json`) is alive."""
+    from megascale.checkpoint.staging import is_alive
+
+    try:
+        identity = json.loads(record.read_text()).get("executor")
+    except (OSError, ValueError):
+        return False  # none yet, or the node is done with the job
+    return bool(identity) and is_alive(identity)
 
 
 def standby_ranks_ready(directory: Path) -> list[int]:

@@ -98,6 +98,8 @@ class Driver(NodeControl):
                 rdzv_id=f"{self.job}-{attempt}",
                 train_args=self.train_args,
                 threads=threads,
+                # A standby outlives its executor this long, for a successor to adopt it.
+                executor_grace_s=self.res.heartbeat_timeout_s + self.res.startup_timeout_s,
             )
         if action == "standby":
             self.standby_requested = (attempt, time.time())

@@ -42,7 +42,8 @@ from megascale.checkpoint.staging import claim, is_alive, process_identity, remo
 from megascale.errors import ConfigError
 from megascale.host import children_alive, free_port, interface_of, io_bytes
 from megascale.resilience.client import (
-    EXECUTOR_PID,
+    EXECUTOR_GRACE,
+    EXECUTOR_RECORD,
     HEARTBEAT_DIR,
     STANDBY,
     read_input_errors,
@@ -59,7 +60,6 @@ ERROR_KEYWORDS = re.compile(
 )
 MAX_ERROR_LINES = 20
 COMMAND_POLL_S = 0.05  # how often the executor looks for a command (heartbeats go every interval)
-EXECUTOR_RECORD = "executor.json"  # in the node's directory: the processes a successor adopts
 # torchrun's failure summary (torch.distributed.elastic's ChildFailedError): a worker's global rank, then
 # its exit code, negative when a signal ended it.
 FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
@@ -97,6 +97,7 @@ class Executor:
         self.interval_s = interval_s
         self.node_dir = run_dir / "nodes" / node
         self.node_dir.mkdir(parents=True, exist_ok=True)
+        self.record_path = self.node_dir / "executor.json"  # the processes a successor adopts
         self.proc: subprocess.Popen | AdoptedProcess | None = None
         self.attempt: int | None = None
         self.log_path: Path | None = None
@@ -131,11 +132,10 @@ class Executor:
 
     # -- the node's processes, across executors ---------------------------------------------------------
     def adopt(self) -> None:
-        """Take over the processes a killed predecessor on this node left running (its record,
-        `executor.json`): the attempt trains on unharmed and the standby stays ready. A recorded attempt
-        whose torchrun is gone is reported as failed, so the driver restarts it."""
+        """Take over what a killed predecessor on this node left running (`executor.json`): the attempt
+        trains on, the standby stays ready; an attempt whose torchrun is gone is reported as failed."""
         try:
-            record = json.loads((self.node_dir / EXECUTOR_RECORD).read_text())
+            record = json.loads(self.record_path.read_text())
         except (OSError, ValueError):
             return
         if record.get("job") != self.job:  # an earlier job's, in the same run directory
@@ -150,26 +150,26 @@ class Executor:
         if record.get("standby") and is_alive(record["standby"]):
             self.standby = AdoptedTorchrun(record["standby"], self._attempt_dir(record["standby_attempt"]))
             self.standby_attempt = int(record["standby_attempt"])
+        running, standby = "running" if self.proc else "gone", self.standby_attempt if self.standby else None
         log.warning(
             "executor %s: adopted attempt %s (%s) and standby %s from the node's previous executor",
-            self.node,
-            self.attempt,
-            "running" if self.proc is not None else "gone",
-            self.standby_attempt if self.standby is not None else None,
+            *(self.node, self.attempt, running, standby),
         )
+        self._write_record()  # now naming this executor: the adopted standby waits on for it
 
     def _write_record(self) -> None:
         """What a successor needs to adopt this node's processes, should this executor die."""
         record = {
             "job": self.job,
+            "executor": process_identity(),  # the standby follows whoever wrote this last
             "attempt": self.attempt,
             "proc": process_identity(self.proc.pid) if self.proc is not None else None,
             "standby": process_identity(self.standby.pid) if self.standby is not None else None,
             "standby_attempt": self.standby_attempt,
         }
-        staged = self.node_dir / f".{EXECUTOR_RECORD}.tmp"
+        staged = self.record_path.with_suffix(".tmp")
         staged.write_text(json.dumps(record))
-        os.replace(staged, self.node_dir / EXECUTOR_RECORD)
+        os.replace(staged, self.record_path)
 
     def _check_driver(self, timeout_s: float) -> None:
         """Wait for the driver's mark in the store; refuse another job's driver (a TCPStore is not
@@ -263,6 +263,10 @@ class Executor:
         self.activation_failed = False
         self.rank_watch = RankWatch()
 
+    def _standby_env(self, go: Path, command: dict[str, Any]) -> dict[str, str]:
+        grace, record = str(command.get("executor_grace_s", 0.0)), str(self.record_path)
+        return {STANDBY: str(go), EXECUTOR_RECORD: record, EXECUTOR_GRACE: grace}
+
     def _torchrun(self, command: dict[str, Any], standby: Path | None = None) -> subprocess.Popen:
         """torchrun for the command's attempt, in a session of its own, its output in the attempt's log;
         as a warm standby waiting for `standby` to appear, when given."""
@@ -285,7 +289,7 @@ class Executor:
                 PERSISTER: "executor",
                 NODE: self.node,
             },
-            **({STANDBY: str(standby), EXECUTOR_PID: str(os.getpid())} if standby else {}),
+            **(self._standby_env(standby, command) if standby else {}),
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
             OMP_NUM_THREADS=str(threads),
         )
@@ -342,7 +346,7 @@ class Executor:
 
     def remove_staging(self) -> None:
         """The node is done with the job: its memory, and the record a successor would adopt from."""
-        (self.node_dir / EXECUTOR_RECORD).unlink(missing_ok=True)
+        self.record_path.unlink(missing_ok=True)
         shutil.rmtree(self.staging_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
             self.staging_dir.parent.rmdir()

@@ -12,8 +12,10 @@ for bit, and that no process and no byte of staging is left. It writes `soak.jso
 per-fault and per-class tables) and `goodput.svg` into the work directory; `megascale report` on the
 soak's run directory shows the chart too.
 
-NaN and the failing self-check, which nothing outside a process causes, are written into the job's
-`@file` fault spec (resilience/inject.py) for the attempt running and a step to come.
+NaN, the failing self-check and the slow rank are written into the job's `@file` fault spec
+(resilience/inject.py) for the attempt running and a step to come: nothing outside a process makes its
+loss NaN or its self-check fail, and a throttle from outside slows a rank by what the machine's scheduler
+allows, not by a set factor.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -139,6 +140,20 @@ class SoakJob:
             time.sleep(0.1)
         raise RuntimeError(f"the soak's job did not train again within {timeout_s:.0f} s")
 
+    def wait_noticed(self, fault: FaultClass, since: float, attempt: int) -> None:
+        """Until the job has noticed the fault done at `since` (one of its events), and restarted after
+        `attempt` if it is to: a slow rank or a NaN sets it off some steps later, and a killed executor is
+        replaced some seconds later; the next fault must not land in between."""
+        deadline = time.time() + RUNNING_TIMEOUT_S
+        while True:
+            events = [event for event in read_events(self.run_dir) if event["time"] >= since]
+            noticed = any(event["event"] in fault.noticed_by for event in events)
+            if noticed and (not fault.restarts or self.attempt() > attempt):
+                return
+            if time.time() > deadline or self.job.proc.poll() is not None:
+                raise RuntimeError(f"the soak's job did not recover from a fault done at {since:.0f}")
+            time.sleep(0.1)
+
     def rank_pid(self, rank: int | None = None) -> tuple[int, int]:
         """(rank, pid) of `rank`, or of a random rank, of the newest attempt."""
         reports = self.reports()
@@ -184,23 +199,15 @@ def restart_store(soak: SoakJob) -> str:
 
 
 def slow_rank(soak: SoakJob) -> str:
-    """Throttle a rank to a tenth of its time (SIGSTOP/SIGCONT) until it is gone, as a sick GPU runs."""
-    rank, pid = soak.rank_pid()
-
-    def throttle() -> None:
-        deadline = time.time() + 120
-        try:
-            while time.time() < deadline:
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.045)
-                os.kill(pid, signal.SIGCONT)
-                time.sleep(0.005)
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            return
-
-    threading.Thread(target=throttle, daemon=True, name="soak-throttle").start()
-    return f"rank {rank} throttled to a tenth of its time"
+    """A rank that computes 30 times slower from the step after next, as a sick GPU does (in-job hook: its
+    compute is stretched by a busy loop; the tiny model's step is mostly Python and waiting, so 30x the
+    compute is what reliably takes the step past the detector's 3x median). A throttle from outside
+    (SIGSTOP/SIGCONT) is at the mercy of the scheduler: on a busy machine its run slices stretch and the
+    rank was only ~3x slower."""
+    rank, _ = soak.rank_pid()
+    step = soak.step() + 2
+    soak.add_fault(f"slow:rank={rank}:factor=30:step={step}:attempt={soak.attempt()}")
+    return f"rank {rank} computes 30x slower from step {step} (in-job hook)"
 
 
 def nan_loss(soak: SoakJob) -> str:
@@ -227,16 +234,22 @@ def failing_node(soak: SoakJob) -> str:
     return f"{node} fails its self-check (in-job hook); {kill_rank(soak)}"
 
 
-FAULTS: dict[str, tuple[Callable[[SoakJob], str], tuple[str, ...]]] = {
-    # name: (what it does, the events that say it was noticed)
-    "rank SIGKILL": (kill_rank, ("fault",)),
-    "rank SIGSTOP": (stop_rank, ("fault",)),
-    "executor kill": (kill_executor, ("executor_replaced", "fault")),
-    "store restart": (restart_store, ("store_back",)),
-    "slow rank": (slow_rank, ("fault", "slow_steps")),
-    "NaN": (nan_loss, ("nonfinite", "fault")),
-    "corrupted newest checkpoint": (corrupt_checkpoint, ("fault",)),
-    "node failing its self-check": (failing_node, ("fault",)),
+@dataclass(frozen=True)
+class FaultClass:
+    act: Callable[[SoakJob], str]  # does one fault to the job; says what it did
+    noticed_by: tuple[str, ...]  # the events that say it was noticed
+    restarts: bool  # whether the job is to restart after it (the next fault waits for that)
+
+
+FAULTS = {
+    "rank SIGKILL": FaultClass(kill_rank, ("fault",), True),
+    "rank SIGSTOP": FaultClass(stop_rank, ("fault",), True),
+    "executor kill": FaultClass(kill_executor, ("executor_replaced", "fault"), False),
+    "store restart": FaultClass(restart_store, ("store_back",), False),
+    "slow rank": FaultClass(slow_rank, ("fault", "slow_steps"), True),
+    "NaN": FaultClass(nan_loss, ("nonfinite", "fault"), True),
+    "corrupted newest checkpoint": FaultClass(corrupt_checkpoint, ("fault",), True),
+    "node failing its self-check": FaultClass(failing_node, ("fault",), True),
 }
 
 
@@ -256,9 +269,8 @@ def measure_fault(
 ) -> dict:
     """What one fault cost, from the job's records up to the next fault (`until`): when it was noticed,
     which way the job recovered, the time to the next step trained, and the steps trained again."""
-    _, noticed_by = FAULTS[injected.fault]
     after = [event for event in events if injected.time - 0.5 <= event["time"] < until]
-    detected = next((event for event in after if event["event"] in noticed_by), None)
+    detected = next((event for event in after if event["event"] in FAULTS[injected.fault].noticed_by), None)
     fault = next((event for event in after if event["event"] == "fault"), None)
     restart = next((event for event in after if event["event"] == "restart"), None)
     recovered = next((event for event in after if event["event"] == "recovered"), None)
@@ -286,16 +298,24 @@ def measure_fault(
     }
 
 
-def final_weights_equal(first: Path, second: Path) -> bool:
-    """Whether two runs' newest checkpoints hold bit-identical model weights."""
+def first_differing(losses: dict[int, float], reference: dict[int, float]) -> int | None:
+    """The first step whose loss is not the reference's bit for bit (None: all equal)."""
+    return next((step for step in sorted(losses) if losses[step] != reference.get(step)), None)
+
+
+def final_weights(first: Path, second: Path) -> tuple[bool, list[str]]:
+    """Whether two runs' newest checkpoints hold bit-identical model weights, and which checkpoints they
+    are (a stop whose save was lost leaves an older one newest)."""
     import torch
 
     from megascale.convert import load_trained
 
-    weights = [load_trained(run).model.state_dict() for run in (first, second)]
-    return weights[0].keys() == weights[1].keys() and all(
+    trained = [load_trained(run) for run in (first, second)]
+    weights = [one.model.state_dict() for one in trained]
+    equal = weights[0].keys() == weights[1].keys() and all(
         torch.equal(weights[0][name], weights[1][name]) for name in weights[0]
     )
+    return equal, [Path(one.checkpoint).name for one in trained]
 
 
 def median(values: list[float]) -> float | None:
@@ -336,11 +356,16 @@ def tables(result: dict[str, Any]) -> str:
         return "yes" if value else "**no**"
 
     same = result["losses_equal"] and result["weights_equal"]
+    parted = ""  # where the curves part: the fault just before it parted them
+    if not result["losses_equal"]:
+        parted += f", losses first differ at step {result['first_loss_differing']}"
+    if not result["weights_equal"]:
+        parted += ", final weights differ (checkpoints {} and {})".format(*result["final_checkpoints"])
     lines = [
         f"ETTR **{result['ettr']:.1%}** ({result['productive_s']:.0f} s of {result['wall_s']:.0f} s on steps "
         f"that count); {len(result['faults'])} faults, every one recovered by itself: "
         f"{yes(result['recovered'])}; losses and final weights = undisturbed run: {yes(same)} (steps "
-        f"1-{result['steps']}); processes left {result['processes_left']}, /dev/shm bytes left "
+        f"1-{result['steps']}{parted}); processes left {result['processes_left']}, /dev/shm bytes left "
         f"{result['shm_bytes_left']}",
         "",
         "| fault class | faults | path | median detected after | median fault → next step | "
@@ -386,18 +411,16 @@ def soak(work: Path, duration_s: float, every_s: float, seed: int, job_args: lis
     try:
         job.job.launch()
         began = job.job.launches[0]
-        job.wait_training(after=0.0, timeout_s=600.0)
-        first_step = time.time()
-        windows = max(0, int((began + duration_s - first_step) // every_s))
-        for index, name in enumerate(schedule(rng, windows)):
-            at = first_step + (index + rng.uniform(0.2, 0.8)) * every_s
+        job.wait_training(after=0.0, timeout_s=600.0)  # the first start prepares the data
+        for index, name in enumerate(schedule(rng, int(duration_s // every_s))):
+            at = began + (index + rng.uniform(0.2, 0.8)) * every_s
             time.sleep(max(0.0, at - time.time()))
             job.wait_training(after=injected[-1].time if injected else 0.0)
-            act, _ = FAULTS[name]
             step, attempt, now = job.step(), job.attempt(), time.time()
-            how = act(job)
+            how = FAULTS[name].act(job)
             injected.append(Injected(name, how, now, step, attempt))
             print(f"soak: {now - began:.0f} s: {name}: {how}", flush=True)
+            job.wait_noticed(FAULTS[name], since=now, attempt=attempt)
         time.sleep(max(0.0, began + duration_s - time.time()))
         job.wait_training(after=injected[-1].time if injected else 0.0)
         job.job.proc.send_signal(signal.SIGTERM)  # the ranks save; the driver ends the job
@@ -425,6 +448,7 @@ def soak(work: Path, duration_s: float, every_s: float, seed: int, job_args: lis
         raise RuntimeError(f"the undisturbed run failed; see {work / 'soak-reference.console.log'}")
     soak_losses, reference_losses = losses(job.run_dir), losses(reference.run_dir)
     ends = [one.time for one in injected[1:]] + [ended]
+    weights_equal, checkpoints = final_weights(job.run_dir, reference.run_dir)
     faults = [measure_fault(one, until, events, records) for one, until in zip(injected, ends)]
     result = {
         "duration_s": duration_s,
@@ -435,8 +459,10 @@ def soak(work: Path, duration_s: float, every_s: float, seed: int, job_args: lis
         "steps": steps,
         "exit_code": code,
         "recovered": code == 0 and not any(event["event"] == "give_up" for event in events),
-        "losses_equal": soak_losses == {step: reference_losses[step] for step in soak_losses},
-        "weights_equal": final_weights_equal(job.run_dir, reference.run_dir),
+        "losses_equal": soak_losses == {step: reference_losses.get(step) for step in soak_losses},
+        "first_loss_differing": first_differing(soak_losses, reference_losses),
+        "weights_equal": weights_equal,
+        "final_checkpoints": checkpoints,  # the soak's, the undisturbed run's
         "processes_left": processes_left,
         "shm_bytes_left": shm_left,
         "faults": faults,

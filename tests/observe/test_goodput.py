@@ -27,3 +27,17 @@ def test_the_chart_marks_every_fault_and_keeps_a_drop_when_it_thins_the_points()
     svg = progress_chart(records, [{"time": 4000.0, "fault": "rank SIGKILL"}], began=0.0)
     assert svg.startswith("<svg") and svg.count("<line") == 1 and "rank SIGKILL at 4000 s" in svg
     assert svg.count("L") < 4000  # thinned to a few thousand points
+
+
+def test_the_run_report_of_a_soak_shows_its_goodput_chart(tmp_path):
+    import json
+
+    from megascale.observe.report import write_report
+
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(record(step, 100.0 + step)) + "\n" for step in range(1, 30))
+    )
+    faults = [{"time": 110.2, "fault": "rank SIGSTOP"}, {"time": 120.5, "fault": "executor kill"}]
+    (tmp_path / "soak.json").write_text(json.dumps({"ettr": 0.912, "began": 100.0, "faults": faults}))
+    page = write_report(tmp_path).read_text()
+    assert "Goodput under 2 faults: ETTR 91.2%" in page and "rank SIGSTOP at 10 s" in page

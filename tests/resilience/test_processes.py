@@ -48,3 +48,44 @@ def test_an_adopted_torchrun_succeeded_when_every_rank_of_it_finished(tmp_path):
         proc.kill()
         proc.wait()
         assert adopted.wait(timeout=10) == code
+
+
+def test_a_standby_waits_for_its_executors_successor_and_leaves_when_none_comes(tmp_path, monkeypatch):
+    """The standby reads the node's executor record: a dead executor's successor (a new `executor` in the
+    record) keeps it waiting to be adopted; no live executor for the grace and it exits (ExecutorGone)."""
+    import threading
+
+    import pytest
+
+    from megascale.resilience import client
+
+    record, go = tmp_path / "executor.json", tmp_path / "attempt-1" / "go"
+    go.parent.mkdir()
+    dead = sleeper()
+    dead_identity = process_identity(dead.pid)
+    dead.kill()
+    dead.wait()
+    record.write_text(json.dumps({"executor": dead_identity}))
+    monkeypatch.setenv(client.STANDBY, str(go))
+    monkeypatch.setenv(client.EXECUTOR_RECORD, str(record))
+    monkeypatch.setenv(client.EXECUTOR_GRACE, "2.5")
+
+    def succeed_then_activate() -> None:
+        time.sleep(1.5)  # the successor starts and adopts within the grace
+        record.write_text(json.dumps({"executor": process_identity()}))
+        time.sleep(3.0)  # longer than the grace: the standby is still there
+        go.touch()
+
+    helper = threading.Thread(target=succeed_then_activate)
+    helper.start()
+    started = time.monotonic()
+    assert client.wait_until_activated(0) is True and time.monotonic() - started > 4.0
+    helper.join()
+    assert (go.parent / "standby-0.json").exists()
+
+    go.unlink()
+    record.write_text(json.dumps({"executor": dead_identity}))  # its executor died; none comes
+    started = time.monotonic()
+    with pytest.raises(client.ExecutorGone, match="no executor on its node for 2 s"):
+        client.wait_until_activated(0)
+    assert 2.5 < time.monotonic() - started < 6.0

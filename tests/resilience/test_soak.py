@@ -8,7 +8,16 @@ from collections import Counter
 
 import pytest
 
-from megascale.resilience.soak import FAULTS, Injected, by_class, measure_fault, parse_duration, schedule
+from megascale.resilience.soak import (
+    FAULTS,
+    Injected,
+    by_class,
+    first_differing,
+    measure_fault,
+    parse_duration,
+    schedule,
+    tables,
+)
 
 
 def test_every_class_comes_up_once_in_each_round_of_the_schedule():
@@ -53,31 +62,56 @@ def test_a_fault_is_measured_from_the_records_up_to_the_next_one():
     assert row["paths"] == ["standby"] and row["median_detection_to_next_step_s"] == 1.8
 
 
+def test_a_soak_that_parts_from_the_undisturbed_run_says_where():
+    """The first step whose loss differs (the fault before it parted the curves), and which checkpoints
+    the final weights were read from."""
+    assert first_differing({1: 2.0, 2: 1.5, 3: 1.25}, {1: 2.0, 2: 1.5, 3: 1.25}) is None
+    assert first_differing({1: 2.0, 2: 1.5, 3: 1.0}, {1: 2.0, 2: 1.75, 3: 1.0}) == 2
+    assert first_differing({1: 2.0, 2: 1.5}, {1: 2.0}) == 2  # a step the reference never took
+    result = {
+        "ettr": 0.9, "productive_s": 90.0, "wall_s": 100.0, "faults": [], "classes": [], "recovered": True,
+        "losses_equal": False, "first_loss_differing": 913, "weights_equal": False, "steps": 1425,
+        "final_checkpoints": ["step-00001400", "step-00001425"], "processes_left": 0, "shm_bytes_left": 0,
+        "began": 0.0,
+    }  # fmt: skip
+    said = tables(result).splitlines()[0]
+    assert "undisturbed run: **no** (steps 1-1425, losses first differ at step 913" in said
+    assert "final weights differ (checkpoints step-00001400 and step-00001425)" in said
+
+
+# The suite's soak: four windows of 12 s (each fault done once the job trains again after the one before
+# and its standby is ready), the seed drawing a rank SIGSTOP, a rank SIGKILL, an executor kill and a NaN:
+# faults the standby takes over, and a killed executor whose successor adopts the attempt and the standby.
+# The other classes have tests of their own in test_driver.py: a slow rank (the same in-job hook), a
+# failing node (a full restart), a corrupted checkpoint (the fallback in storage), a store restart.
+SUITE_SOAK = ["--soak", "48s", "--fault-every", "12", "--seed", "11"]
+SUITE_CLASSES = {"rank SIGSTOP", "rank SIGKILL", "executor kill", "NaN"}
+
+
 @pytest.mark.slow
-def test_a_five_minute_soak_recovers_every_fault_with_the_undisturbed_curve(tiny_corpus, tmp_path):
-    """Faults from every class every 36 s on a 2 x 2 job with a warm standby: each one recovered by
-    itself, the losses and final weights equal the undisturbed run's bit for bit, nothing is left, a
-    rank killed or stopped is taken over by the standby, and the goodput stays above a floor set from
-    measurement (ETTR_FLOOR: see docs/resilience.md, The soak)."""
+def test_a_short_soak_recovers_every_fault_with_the_undisturbed_curve(tiny_corpus, tmp_path):
+    """Each fault recovered by itself, the losses and final weights equal to the undisturbed run's bit for
+    bit, nothing left behind; every fault that stops the job taken over by the standby, an executor kill
+    not even a restart (its successor adopts the attempt and the standby); and the goodput above a floor
+    set from measurement (0.81 on 2 cores, where the 15 s from the launch to the first step and the
+    stop weigh on a run of under two minutes; a slower machine starts slower)."""
     work = tmp_path / "soak"
     result = subprocess.run(
         [
-            sys.executable, "-m", "megascale.cli", "rehearse", "--soak", "5m", "--fault-every", "36",
-            "--seed", "1", "--work", str(work), f"--data.source={tiny_corpus}",
+            sys.executable, "-m", "megascale.cli", "rehearse", *SUITE_SOAK, "--work", str(work),
+            f"--data.source={tiny_corpus}",
         ],
-        capture_output=True, text=True, timeout=1500,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     soak = json.loads((work / "soak" / "soak.json").read_text())
+    print((work / "soak.md").read_text())
     assert soak["recovered"] and soak["losses_equal"] and soak["weights_equal"]
     assert soak["processes_left"] == 0 and soak["shm_bytes_left"] == 0
     faults = soak["faults"]
-    assert len(faults) >= 7 and len({fault["fault"] for fault in faults}) == len(faults)
+    assert {fault["fault"] for fault in faults} == SUITE_CLASSES
     for fault in faults:
         assert fault["detected_as"] is not None, fault
-        if fault["fault"] in ("rank SIGKILL", "rank SIGSTOP"):
-            assert fault["path"] == "standby", fault
-        if fault["fault"] in ("executor kill", "store restart"):
-            assert fault["path"] == "none needed" and fault["steps_redone"] == 0, fault
-    print((work / "soak.md").read_text())
-    assert soak["ettr"] >= 0.7  # measured 0.83 on 2 cores (docs/resilience.md, The soak)
+        expected = "none needed" if fault["fault"] == "executor kill" else "standby"
+        assert fault["path"] == expected and fault["steps_redone"] <= 2, fault
+    assert soak["ettr"] >= 0.7
