@@ -148,7 +148,8 @@ class SoakJob:
         while True:
             events = [event for event in read_events(self.run_dir) if event["time"] >= since]
             noticed = any(event["event"] in fault.noticed_by for event in events)
-            if noticed and (not fault.restarts or self.attempt() > attempt):
+            restarted = any(event["event"] == "start" and event["attempt"] > attempt for event in events)
+            if noticed and (restarted or not fault.restarts):
                 return
             if time.time() > deadline or self.job.proc.poll() is not None:
                 raise RuntimeError(f"the soak's job did not recover from a fault done at {since:.0f}")
@@ -446,7 +447,7 @@ def soak(work: Path, duration_s: float, every_s: float, seed: int, job_args: lis
     reference.launch()
     if reference.wait(duration_s + 600) != 0:
         raise RuntimeError(f"the undisturbed run failed; see {work / 'soak-reference.console.log'}")
-    soak_losses, reference_losses = losses(job.run_dir), losses(reference.run_dir)
+    differing = first_differing(losses(job.run_dir), losses(reference.run_dir))
     ends = [one.time for one in injected[1:]] + [ended]
     weights_equal, checkpoints = final_weights(job.run_dir, reference.run_dir)
     faults = [measure_fault(one, until, events, records) for one, until in zip(injected, ends)]
@@ -459,8 +460,8 @@ def soak(work: Path, duration_s: float, every_s: float, seed: int, job_args: lis
         "steps": steps,
         "exit_code": code,
         "recovered": code == 0 and not any(event["event"] == "give_up" for event in events),
-        "losses_equal": soak_losses == {step: reference_losses.get(step) for step in soak_losses},
-        "first_loss_differing": first_differing(soak_losses, reference_losses),
+        "losses_equal": differing is None,
+        "first_loss_differing": differing,
         "weights_equal": weights_equal,
         "final_checkpoints": checkpoints,  # the soak's, the undisturbed run's
         "processes_left": processes_left,
