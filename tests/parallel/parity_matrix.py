@@ -1,5 +1,5 @@
 """The config-space parity matrix: each combination of a covering set of knob values
-(megascale/config_space.py) trains under its layout and is compared with one process on the same tokens;
+(tests/parallel/config_space.py) trains under its layout and is compared with one process on the same tokens;
 each combination megascale cannot support must be refused by its validation, before any process exists.
 
 A combination runs 10 steps on its own processes (forked from this one, as tests/parallel/multiprocess.py
@@ -40,12 +40,12 @@ import torch
 import torch._inductor.compile_fx  # noqa: F401 (imported before the ranks are forked: no rank imports them
 import transformers  # again, which costs seconds each)
 
-from megascale import config_space
+from tests.parallel import config_space
 from megascale.checkpoint.checkpointer import load_model_weights
 from megascale.config import JobConfig, load_config
-from megascale.config_space import Row
+from tests.parallel.config_space import Row
 from megascale.convert import export_hf, resolve_checkpoint
-from megascale.covering import Covering, activatable, covering_rows
+from tests.parallel.covering import Covering, activatable, covering_rows
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.metrics import read_metrics
@@ -506,7 +506,7 @@ def render(results: list[Result], cover: Covering, command: str) -> str:
     )
     preamble = (
         f"Made by `{command}` (tests/parallel/parity_matrix.py) from the knobs and values of "
-        "`megascale/config_space.py`. Each accepted combination trained 10 steps under its layout and was "
+        "`tests/parallel/config_space.py`. Each accepted combination trained 10 steps under its layout and was "
         "compared with one process training the same model on the same sequences. Columns: the largest "
         "|loss delta| over the steps; the largest relative gradient-norm delta; the largest |validation "
         "loss delta| (step 10); the largest |loss delta| of its step-5 checkpoint resumed on one "

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from megascale import config_space
+from tests.parallel import config_space
 from megascale.config import load_config
 from megascale.models.llama import Transformer
 from megascale.models.moe import MoE, training_step

@@ -119,7 +119,7 @@ def test_compiled_float8_blocks_beside_the_context_parallel_ring_train_the_model
     (`'Tensor' object has no attribute 'wait'`) until the ring was kept out of compilation. One such row
     of the parity matrix, dense, tensorwise, ZeRO-3, cp 2; the matrix compares losses, gradient norms and
     validation against one process within the float8 tolerance."""
-    from megascale import config_space
+    from tests.parallel import config_space
     from tests.parallel.parity_matrix import Matrix, refusal
 
     row = {knob.key: knob.values[0] for knob in config_space.KNOBS}

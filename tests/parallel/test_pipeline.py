@@ -3,7 +3,7 @@ parity matrix, tests/parallel/test_parity_matrix.py, at two ranks; the zero-bubb
 
 import pytest
 
-from megascale import config_space
+from tests.parallel import config_space
 from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.pipeline import build_stage_module, stage_layer_ranges

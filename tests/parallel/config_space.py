@@ -8,7 +8,7 @@ matrix tries and the condition under which it does anything. `NEUTRAL` holds eve
 reason it cannot make two layouts train different models: a number of the job that every layout uses
 alike, or a field that only logs, paths, times or supervises. A test fails when a field is in neither, so
 a new knob cannot escape the matrix (`tests/test_config_space.py`). Which combinations of them the
-matrix runs is `megascale.covering`'s choice.
+matrix runs is `tests.parallel.covering`'s choice.
 """
 
 from __future__ import annotations

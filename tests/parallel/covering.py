@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megascale.config_space import (
+from tests.parallel.config_space import (
     KNOBS,
     Row,
     can_be_active,
