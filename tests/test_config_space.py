@@ -3,8 +3,8 @@ change the step, and the matrix's covering set holds every pair of knob values o
 
 import itertools
 
-from tests.parallel import config_space
 from megascale.config import all_keys, load_config
+from tests.parallel import config_space
 from tests.parallel.covering import Verdicts
 from tests.parallel.parity_matrix import STORED_PAIRS, covering, stored_pairs
 

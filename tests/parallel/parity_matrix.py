@@ -40,17 +40,17 @@ import torch
 import torch._inductor.compile_fx  # noqa: F401 (imported before the ranks are forked: no rank imports them
 import transformers  # again, which costs seconds each)
 
-from tests.parallel import config_space
 from megascale.checkpoint.checkpointer import load_model_weights
 from megascale.config import JobConfig, load_config
-from tests.parallel.config_space import Row
 from megascale.convert import export_hf, resolve_checkpoint
-from tests.parallel.covering import Covering, activatable, covering_rows
 from megascale.errors import ConfigError
 from megascale.models.llama import Transformer
 from megascale.observe.metrics import read_metrics
 from megascale.parallel.dims import ParallelDims
 from megascale.trainer import Trainer
+from tests.parallel import config_space
+from tests.parallel.config_space import Row
+from tests.parallel.covering import Covering, activatable, covering_rows
 from tests.parallel.multiprocess import run_ranks
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 10, 5, 8
@@ -506,7 +506,8 @@ def render(results: list[Result], cover: Covering, command: str) -> str:
     )
     preamble = (
         f"Made by `{command}` (tests/parallel/parity_matrix.py) from the knobs and values of "
-        "`tests/parallel/config_space.py`. Each accepted combination trained 10 steps under its layout and was "
+        "`tests/parallel/config_space.py`. Each accepted combination trained 10 steps under its layout and "
+        "was "
         "compared with one process training the same model on the same sequences. Columns: the largest "
         "|loss delta| over the steps; the largest relative gradient-norm delta; the largest |validation "
         "loss delta| (step 10); the largest |loss delta| of its step-5 checkpoint resumed on one "

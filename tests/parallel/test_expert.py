@@ -10,7 +10,6 @@ import itertools
 import pytest
 import torch
 
-from tests.parallel import config_space
 from megascale.config import load_config
 from megascale.models.llama import Transformer
 from megascale.models.moe import MoE, training_step
@@ -26,6 +25,7 @@ from megascale.parallel.expert import (
 from megascale.parallel.parallelize import parallelize
 from megascale.parallel.tensor import full_tensor
 from megascale.trainer import next_token_loss
+from tests.parallel import config_space
 from tests.parallel.multiprocess import run_ranks
 from tests.parallel.parity_matrix import TOLERANCES, Matrix, refusal
 

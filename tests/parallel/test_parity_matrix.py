@@ -6,8 +6,8 @@ process starts. The runner and what it compares are in tests/parallel/parity_mat
 
 import pytest
 
-from tests.parallel import config_space
 from megascale.cli import main
+from tests.parallel import config_space
 from tests.parallel.parity_matrix import BASE, Matrix, arguments, covering, describe
 
 COVER = covering(2)
