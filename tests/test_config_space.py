@@ -2,11 +2,13 @@
 change the step, and the matrix's covering set holds every pair of knob values or shows it refused."""
 
 import itertools
+import random
 
 from megascale.config import all_keys, load_config
 from tests.parallel import config_space
 from tests.parallel.covering import Verdicts
-from tests.parallel.parity_matrix import STORED_PAIRS, covering, stored_pairs
+from tests.parallel.parity_matrix import STORED_PAIRS, covering, refusal, stored_pairs
+from tests.parallel.refusal_rules import refusing
 
 
 def get_key(cfg, key):
@@ -62,6 +64,23 @@ def test_the_covering_set_holds_every_pair_of_values_or_shows_it_refused():
             pair = ((first.key, a), (second.key, b))
             if config_space.can_be_active(pair):
                 assert pair in held, pair
+
+
+def test_megascale_refuses_exactly_what_its_documented_rules_refuse():
+    """Each refusal of the covering set breaks a rule the documents state (tests/parallel/refusal_rules.py,
+    written from them apart from the validator) and names a knob of it; no accepted combination breaks one;
+    and the two agree on random combinations beyond the set."""
+    cover = covering(2)
+    for _, row, reason in cover.refused:
+        broken = refusing(row)
+        assert broken, f"refused by no documented rule: {reason}"
+        assert any(key in reason for rule in broken for key in rule.knobs), (reason, [r.name for r in broken])
+    for row in cover.accepted:
+        assert not refusing(row), [rule.name for rule in refusing(row)]
+    rng = random.Random(0)
+    for _ in range(4000):
+        row = config_space.fill((), rng)
+        assert (refusal(row) is None) == (not refusing(row)), (refusal(row), [r.name for r in refusing(row)])
 
 
 def test_the_suite_runs_the_stored_every_pair_set_and_it_covers_todays_knobs():
