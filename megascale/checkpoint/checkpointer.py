@@ -517,7 +517,7 @@ class Checkpointer:
         if cfg.checkpoint.resume and (descriptor := self.restore_from_memory(state, cfg, replicas)):
             saved_layout, step = descriptor.get("layout", "1 process"), descriptor.get("step")
             log.info("resumed from the snapshot of step %s in host memory (%s)", step, saved_layout)
-            if changes := changes_since(descriptor, cfg):
+            if (changes := changes_since(descriptor, cfg)) and _is_main():  # once for the job, not per rank
                 log.warning("resumed with settings changed since step %s: %s", step, "; ".join(changes))
             return descriptor
         if executor:
@@ -542,7 +542,7 @@ class Checkpointer:
             f" (saved as {saved_layout}, now {layout})" if saved_layout != layout else "",
         )
         changes = changes_since(descriptor, cfg)
-        if changes:
+        if changes and _is_main():  # once for the job, not per rank
             log.warning("resumed with settings changed since step %s: %s", step, "; ".join(changes))
         if cfg.checkpoint.init_from:
             log.info("checkpoint.init_from is read only when a run starts: this one resumes")

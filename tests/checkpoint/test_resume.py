@@ -31,6 +31,28 @@ def test_a_longer_schedule_and_a_new_peak_lr_are_said_and_applied_from_the_resum
     assert resumed.lr_schedulers[0].get_last_lr()[0] == pytest.approx(0.001 * lr_factor(8, **schedule))
 
 
+def _resume_saying(rank: int, world: int, overrides: list[str]) -> str:
+    """What this rank printed while resuming (rank 0's console and every rank's warnings go to stderr)."""
+    import io
+    import sys
+
+    sys.stderr = io.StringIO()
+    trainer = Trainer(load_config(None, overrides))
+    trainer.close()
+    return sys.stderr.getvalue()
+
+
+def test_a_resume_with_changed_settings_is_said_once_for_the_job_not_by_every_rank(
+    tiny_config, tiny_corpus, tmp_path
+):
+    Trainer(tiny_config("--training.steps=2")).train()
+    overrides = tiny_args(
+        tiny_corpus, tmp_path / "run", tmp_path.parent / "data", "--training.steps=3", "--parallel.dp_shard=2"
+    )
+    said = run_ranks(_resume_saying, 2, overrides, timeout_s=180)
+    assert ["resumed with settings changed since step 2" in text for text in said] == [True, False]
+
+
 def _train_longer(rank: int, world: int, overrides: list[str]) -> int:
     trainer = Trainer(load_config(None, overrides))
     trainer.train()
