@@ -337,7 +337,7 @@ class Trainer(Stateful):
             collector,
             self._stop_on_signals(),
             TrainingProgress(
-                self.console, training.steps, self.step, live=self.cfg.metrics.progress and self.rank == 0
+                self.console, end, self.step, live=self.cfg.metrics.progress and self.rank == 0
             ) as progress,
         ):
             while self.step < end:

@@ -83,9 +83,11 @@ def make_console() -> Console:
 
 
 class TrainingProgress:
-    """A step counter with ETA and the newest metrics; a no-op bar when live display is off."""
+    """A step counter with ETA and the newest metrics; a no-op bar when live display is off. The bar ends
+    at `end_step`, the step this run stops at (`training.stop_at_step` where set, else `training.steps`),
+    so the ETA is to that step."""
 
-    def __init__(self, console: Console, total_steps: int, start_step: int, live: bool):
+    def __init__(self, console: Console, end_step: int, start_step: int, live: bool):
         self.live = live and console.is_terminal
         self._progress = Progress(
             TextColumn("[bold]train"),
@@ -97,7 +99,7 @@ class TrainingProgress:
             console=console,
             disable=not self.live,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+        self._task = self._progress.add_task("train", total=end_step, completed=start_step, status="")
 
     def __enter__(self) -> TrainingProgress:
         self._progress.start()
