@@ -6,7 +6,9 @@ directory: its id is derived from the directory's path, so a resumed run continu
 keeps each run's steps increasing, so the steps a resume repeats after its checkpoint keep their first
 values there (metrics.jsonl holds the repeated ones). The run gets the job's config, every logged scalar at
 its step, and at the end the run report (report.html, `megascale report`). Console capture and system
-statistics are off: the trainer's log and timeline already hold them.
+statistics are off: the trainer's log and timeline already hold them. When the run ends, the log says once
+where it went: the offline run's directory and the `wandb sync` command that uploads it, or the online
+run's page.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class WandbSink:
                 "--metrics.wandb=off"
             ) from None
         os.environ.setdefault("WANDB_SILENT", "true")
-        self._wandb, self.run_dir = wandb, run_dir
+        self._wandb, self.run_dir, self.offline = wandb, run_dir, mode == "offline"
         self.run = wandb.init(
             mode="offline" if mode == "offline" else "online",
             dir=str(run_dir),
@@ -64,5 +66,10 @@ class WandbSink:
             log.warning("wandb: no run report attached: %s", err)
         else:
             self.run.save(str(report), base_path=str(self.run_dir), policy="now")
+        where = self.run.settings.sync_dir if self.offline else self.run.url
         self.run.finish()
         self._wandb.teardown()  # ends W&B's service process: nothing left behind
+        if self.offline:
+            log.info("wandb: offline run in %s; upload it with `wandb sync %s`", where, where)
+        elif where:
+            log.info("wandb: run at %s", where)

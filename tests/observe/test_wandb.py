@@ -104,3 +104,26 @@ def test_wandb_is_refused_in_one_line_without_the_package(tiny_corpus, tmp_path,
     with pytest.raises(ConfigError, match=r"metrics.wandb = 'offline' needs the wandb package: pip install"):
         trainer.train()
     trainer.close()
+
+
+def test_an_offline_run_says_where_it_is_and_how_to_upload_it(tmp_path):
+    import logging
+
+    from megascale.observe.wandb_sink import WandbSink
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("megascale.observe.wandb_sink")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        sink = WandbSink(tmp_path, "offline", "megascale", None, {})
+        sink.write(1, {"loss": 5.0})
+        sink.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert f"wandb: offline run in {run}; upload it with `wandb sync {run}`" in said
+    assert list(run.glob("run-*.wandb"))
