@@ -279,17 +279,16 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
-    from megascale.convert import export_hf, import_hf
+    from megascale.convert import describe_export, describe_import, export_hf, import_hf
 
     _no_overrides("convert", extra)
     out = Path(args.output)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"convert: output {out} exists and is not empty; pass --force to overwrite")
     if args.to_format == "hf":
-        written = export_hf(Path(args.source), out)
+        print(describe_export(export_hf(Path(args.source), out)))
     else:
-        written = import_hf(Path(args.source), out)
-    print(f"wrote {written}")
+        print(describe_import(Path(args.source), import_hf(Path(args.source), out)))
     return 0
 
 

@@ -4,11 +4,13 @@ Qwen3, Qwen3-MoE).
 The tensor mapping lives in models/hf.py; this module moves whole artefacts: it finds the newest
 checkpoint of a run, loads only its model entry, and writes the other side's files. An imported model
 becomes a weights-only checkpoint plus a `train.toml` that trains from it (`checkpoint.init_from`).
+`describe_export` and `describe_import` are the line `megascale convert` prints: what it wrote, where.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -23,9 +25,9 @@ from megascale.checkpoint.checkpointer import (
 )
 from megascale.checkpoint.stateful import ModelState
 from megascale.config import DataConfig, JobConfig, from_dict, to_toml
-from megascale.data.tokenizer import Tokenizer, load_tokenizer
+from megascale.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from megascale.errors import CheckpointError, MegascaleError
-from megascale.models.hf import check_exportable, load_hf, save_hf
+from megascale.models.hf import CONFIG_FILE, check_exportable, load_hf, save_hf
 from megascale.models.hf_tokenizer import save_hf_tokenizer
 from megascale.models.llama import Transformer
 
@@ -114,3 +116,34 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     )
     (out_dir / "train.toml").write_text(to_toml(job))
     return out_dir
+
+
+def _files(folder: Path) -> str:
+    """The files directly in `folder` and their sizes: 'config.json (1 KiB), model.safetensors (2.0 MiB)'."""
+
+    def size(path: Path) -> str:
+        n_bytes = path.stat().st_size
+        return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{max(1, round(n_bytes / 2**10))} KiB"
+
+    return ", ".join(f"{path.name} ({size(path)})" for path in sorted(folder.iterdir()) if path.is_file())
+
+
+def _architecture(hf_dir: Path) -> str:
+    return json.loads((hf_dir / CONFIG_FILE).read_text()).get("architectures", ["model"])[0]
+
+
+def describe_export(out_dir: Path) -> str:
+    """What `export_hf` wrote to `out_dir`, in one line."""
+    tokenizer = "" if (out_dir / TOKENIZER_FILE).is_file() else "; no tokenizer (see the warning above)"
+    return (
+        f"wrote a Hugging Face {_architecture(out_dir)} checkpoint (safetensors) to {out_dir}: "
+        f"{_files(out_dir)}{tokenizer}; load it with transformers' from_pretrained({str(out_dir)!r})"
+    )
+
+
+def describe_import(hf_dir: Path, out_dir: Path) -> str:
+    """What `import_hf` wrote to `out_dir`, in one line."""
+    return (
+        f"wrote the {_architecture(hf_dir)} of {hf_dir} as a megascale checkpoint (weights only, DCP) to "
+        f"{out_dir}: {_files(out_dir)}; train from it with megascale train --config {out_dir / 'train.toml'}"
+    )

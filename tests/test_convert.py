@@ -14,10 +14,17 @@ from tests.conftest import tiny_args
 transformers = pytest.importorskip("transformers")
 
 
-def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
+def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path, capsys):
     args = tiny_args(tiny_corpus, tmp_path / "run", tmp_path / "data", "--training.steps=3")
     assert main(["train", *args]) == 0
+    capsys.readouterr()
     assert main(["convert", "--to", "hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out.strip()
+    assert said.startswith(
+        f"wrote a Hugging Face LlamaForCausalLM checkpoint (safetensors) to {tmp_path / 'hf'}: "
+    )
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert f"{name} (" in said, said
 
     trained = Trainer(load_config(None, args))  # resumes the final checkpoint: the trained weights
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -29,6 +36,15 @@ def test_export_run_then_import_and_train_from_it(tiny_corpus, tmp_path):
     trained.close()
 
     assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    said = capsys.readouterr().out.strip()
+    assert said.startswith(
+        f"wrote the LlamaForCausalLM of {tmp_path / 'hf'} as a megascale checkpoint (weights only, DCP) to "
+        f"{tmp_path / 'imported'}: "
+    )
+    assert "manifest.json (" in said and "train.toml (" in said
+    assert said.endswith(
+        f"train from it with megascale train --config {tmp_path / 'imported' / 'train.toml'}"
+    )
     # Its own run directory: the default one may hold another run, which would be resumed instead.
     written = tomllib.loads((tmp_path / "imported" / "train.toml").read_text())
     assert written["training"]["run_dir"] == "runs/imported"
