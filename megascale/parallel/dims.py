@@ -33,16 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from megascale.config import JobConfig, fail
 from megascale.config.parallel import V_SCHEDULES
 from megascale.errors import ConfigError
+from megascale.layout import MESH_ORDERS
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend  # the type of init_device_mesh's backend options
-
-# Mesh dimensions outermost first, by parallel.rank_order (named innermost first, like the rank numbering
-# reads: adjacent ranks differ in the first-named dimension). dp_replicate and dp_shard stay adjacent.
-MESH_ORDERS = {
-    "tp-dp-pp": ("pp", "dp_replicate", "dp_shard", "tp"),
-    "tp-pp-dp": ("dp_replicate", "dp_shard", "pp", "tp"),
-}
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megascale.config import ParallelConfig
+from megascale.layout import stage_ids_of
 from megascale.models import sharding
 from megascale.models.moe import MoE
 from megascale.parallel.activation import apply_activation_checkpointing
@@ -27,7 +28,6 @@ from megascale.parallel.expert import apply_expert_parallel
 from megascale.parallel.float8 import gather_float8_as_bytes
 from megascale.parallel.offload import ActivationOffload, apply_activation_offload
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_layer_ranges
-from megascale.parallel.stages import stage_ids_of
 from megascale.parallel.step import ParallelModel, PipelinedModel
 from megascale.parallel.tensor import apply_tensor_parallel
 

@@ -11,7 +11,7 @@ transfer; they split each backward into the input gradient (on the critical path
 (deferred into what would be the bubble).
 
 torch.distributed.pipelining provides the stages, the p2p exchange and the schedules; this module adds the
-layer split (uniform, or balanced by parameter count: `parallel/stages.py`, which the planner prices
+layer split (uniform, or balanced by parameter count: `megascale/layout.py`, which the planner prices
 stages with too) and the mapping from our config words to schedules.
 Every rank builds the whole model first and then drops what it does not own, so initialisation is identical
 to a single process's; a model larger than host memory would need meta-device initialisation (not yet).
@@ -44,8 +44,8 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from megascale.layout import split_layers
 from megascale.parallel.pipeline_overlap import overlap_schedule
-from megascale.parallel.stages import split_layers
 
 
 def stage_layer_ranges(model: nn.Module, num_stages: int, split: str, *, blocks: str) -> list[range]:

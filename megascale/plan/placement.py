@@ -6,7 +6,7 @@ fastest links; the choice left is which of DP and PP comes next. Paper §2 build
 groups, "which can mitigate cross-minipod communication for data parallelism": DP moves every gradient
 and weight in synchronised bursts, PP moves activations at stage boundaries, spread over the step.
 `choose_rank_order` keeps DP groups in the fewest pods and nodes, then PP groups; the orders are exactly the
-ones `parallel.rank_order` accepts (`megascale.parallel.dims.MESH_ORDERS`), so the launcher and the
+ones `parallel.rank_order` accepts (`megascale.layout.MESH_ORDERS`), so the launcher and the
 trainer number ranks the way the plan placed them. Context parallelism's ranks are data-parallel ranks
 (`parallel.dp_shard` holds them), cp adjacent ones to a ring, innermost, as `ParallelDims` splits
 dp_shard: a ring is cp ranks tp apart, and a DP group (the weights' FSDP and gradient group) is dp x cp
@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from megascale.parallel.dims import MESH_ORDERS
+from megascale.layout import MESH_ORDERS
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Layout
 

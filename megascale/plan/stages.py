@@ -3,7 +3,7 @@
 `parallel.pp_split` cuts the layers into pp x v stages either in equal counts, the earlier stages taking
 the remainder ("uniform"), or balanced by parameters with the embedding counted toward the first stage and
 the output layer toward the last ("params", as Llama 3 ran 126 layers over 16 stages: one fewer on the
-first and on the last). `megascale.parallel.stages.split_layers` does the cutting for both the trainer
+first and on the last). `megascale.layout.split_layers` does the cutting for both the trainer
 and this model, so a pipeline whose layers do not divide evenly is priced by what its busiest rank holds,
 not by an average share of the layers.
 """
@@ -14,8 +14,8 @@ import functools
 from dataclasses import dataclass
 
 from megascale.errors import ConfigError
+from megascale.layout import split_layers, stage_ids_of
 from megascale.models.flops import matmul_params_per_layer
-from megascale.parallel.stages import split_layers, stage_ids_of
 from megascale.plan.job import Job, Layout
 
 

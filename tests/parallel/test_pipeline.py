@@ -3,10 +3,10 @@ parity matrix, tests/parallel/test_parity_matrix.py, at two ranks; the zero-bubb
 
 import pytest
 
+from megascale.layout import split_layers, stage_ids_of
 from megascale.models import sharding
 from megascale.models.llama import Transformer
 from megascale.parallel.pipeline import build_stage_module, stage_layer_ranges
-from megascale.parallel.stages import split_layers, stage_ids_of
 from tests.parallel import config_space
 from tests.parallel.parity_matrix import Matrix
 from tests.parallel.tiny import tiny_model_config

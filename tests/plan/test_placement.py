@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megascale.parallel.dims import MESH_ORDERS
+from megascale.layout import MESH_ORDERS
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
 from megascale.plan.paper import LAYOUT_175B

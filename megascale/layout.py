@@ -1,8 +1,9 @@
-"""Which layers each pipeline stage holds and which stages each pipeline rank holds, without torch.
+"""A parallel layout's arithmetic, without torch: how ranks are ordered into the mesh, which layers each
+pipeline stage holds and which stages each pipeline rank holds.
 
-The trainer (`megascale.parallel.pipeline`) cuts the model with these, and the planner
-(`megascale.plan.stages`) prices the busiest rank with the same split, so a pipeline whose layers do not
-divide evenly costs in the plan what it costs in training.
+The trainer (`megascale.parallel`) builds its mesh and cuts the model with these, and the planner
+(`megascale.plan`) places ranks and prices the busiest pipeline rank with the same ones, so a layout costs
+in the plan what it costs in training; neither layer imports the other.
 """
 
 from __future__ import annotations
@@ -12,6 +13,13 @@ import math
 from collections.abc import Callable, Sequence
 
 from megascale.config.parallel import V_SCHEDULES
+
+# Mesh dimensions outermost first, by parallel.rank_order (named innermost first, like the rank numbering
+# reads: adjacent ranks differ in the first-named dimension). dp_replicate and dp_shard stay adjacent.
+MESH_ORDERS = {
+    "tp-dp-pp": ("pp", "dp_replicate", "dp_shard", "tp"),
+    "tp-pp-dp": ("dp_replicate", "dp_shard", "pp", "tp"),
+}
 
 
 def split_layers(
