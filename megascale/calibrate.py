@@ -21,6 +21,9 @@ every figure is the median over the rounds: a slow spell over one round does not
 the hypervisor also gives time to other guests (steal time, observe/cpu_load.py), so a round that lost more
 than 5% of the time to it is made again, up to MAX_ROUNDS rounds in all, and the least disturbed are kept and
 their median `steal_fraction` reported.
+
+`megascale calibrate` prints each figure with its unit and what it is (`describe_figures`), then the cache
+files the planner and the MFU read them from.
 """
 
 from __future__ import annotations
@@ -370,3 +373,69 @@ def calibrate_profile(threads: int) -> dict[str, float]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cache, indent=2))
     return measured
+
+
+# What each figure of `calibrate_profile` is: its unit, and what it measures and feeds (plan/profiles.py).
+_HOST = {
+    "block": "per transformer block of a tiny model's forward + backward (the host dispatching operators)",
+    "model": "of the rest of a tiny model (embedding, final norm, output layer) in a forward + backward",
+    "update_block": "per block of the step's update (gradient norm, clipping, fused AdamW)",
+    "update_model": "of the rest of the model in the step's update",
+    "sized_block": "per block of a forward + backward at the size CPU runs train (256 tokens of hidden 128), "
+    "compute included",
+}
+FIGURES: dict[str, tuple[str, str]] = {
+    "small_gemm_flops_per_s": (
+        "FLOP/s",
+        "a small linear layer's forward + backward (256 x 128 x 384): how far below the peak the GEMMs of "
+        "CPU-sized models run",
+    ),
+    "memory_bytes_per_s": ("B/s", "an add into fresh memory: the rate of the step's element-wise work"),
+    "memory_fresh_page_fraction": (
+        "fraction",
+        "of the memory probe's result pages faulted in fresh (1 = measured as meant; reported, not used)",
+    ),
+    **{f"{name}_host_s": ("s", f"host time {meaning}") for name, meaning in _HOST.items()},
+    **{
+        f"{probe}_{name}_host_s": ("s", f"host time {meaning}, under {label} over 2 processes")
+        for probe, label in (("tp", "tensor parallelism"), ("fsdp", "FSDP"))
+        for name, meaning in _HOST.items()
+        if name != "sized_block" or probe == "tp"
+    },
+    "collective_latency_s": (
+        "s",
+        "a one-element all-gather between 2 gloo processes: a collective's latency",
+    ),
+    "gather_bytes_per_s": ("B/s", "each rank's share of a 4 MB all-gather over 2 processes, latency removed"),
+    "scatter_bytes_per_s": (
+        "B/s",
+        "each rank's share of a 4 MB reduce-scatter over 2 processes, latency removed",
+    ),
+    "steal_fraction": (
+        "fraction",
+        "of the CPU time the hypervisor gave other guests during the rounds kept (0 on bare metal)",
+    ),
+}
+
+
+def describe_peaks(threads: int, peaks: dict[str, float]) -> list[str]:
+    """The start of `megascale calibrate`'s report: what its figures are, and the matmul peaks. Every figure
+    is a line `cpu_<name> <value>  <unit>: <what it is>` (the first two fields for scripts)."""
+    header = (
+        f"this CPU with {threads} thread(s) a process, each figure the median of {ROUNDS} rounds in fresh "
+        "processes: the peaks are what MFU divides by (unless training.peak_tflops is set), the rest the CPU "
+        "profile megascale plan predicts step times from (plan/profiles.py)"
+    )
+    return [header] + [
+        f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  TFLOP/s: a large {dtype} matmul, this CPU's peak"
+        for dtype, tflops in peaks.items()
+    ]
+
+
+def describe_measured(measured: dict[str, float]) -> list[str]:
+    """The rest of the report: each figure of `calibrate_profile` with its unit and what it is."""
+    lines = []
+    for name, value in measured.items():
+        unit, meaning = FIGURES.get(name, ("", ""))
+        lines.append(f"cpu_{name} {value:.4g}  {unit}: {meaning}" if unit else f"cpu_{name} {value:.4g}")
+    return lines

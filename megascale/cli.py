@@ -305,15 +305,13 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     _no_overrides("calibrate", extra)
     threads = args.threads or torch.get_num_threads()
     peaks = {dtype: measure_matmul_tflops(dtype, threads) for dtype in args.dtype}
-    for dtype, tflops in peaks.items():
-        print(f"cpu_matmul_peak_{dtype}_tflops {tflops:.4f}  (threads={threads})")
-    from megascale.calibrate import calibrate_profile, profile_cache
+    from megascale.calibrate import calibrate_profile, describe_measured, describe_peaks, profile_cache
 
+    print("\n".join(describe_peaks(threads, peaks)), flush=True)
     measured = calibrate_profile(threads)  # raises, caching nothing, when a probe fails or times out
     for dtype, tflops in peaks.items():  # the peaks only with the profile measured beside them
         store_calibration(dtype, threads, tflops)
-    for name, value in measured.items():  # the planner's CPU profile (megascale plan)
-        print(f"cpu_{name} {value:.4g}")
+    print("\n".join(describe_measured(measured)))
     if measured["steal_fraction"] > 0.1:
         print(
             f"warning: the hypervisor gave {measured['steal_fraction']:.0%} of this machine's CPU time to "

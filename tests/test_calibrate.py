@@ -7,6 +7,7 @@ figure, not a test's.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -112,3 +113,27 @@ def test_calibrate_warns_when_the_memory_probe_did_not_measure_fresh_pages(capsy
     monkeypatch.setattr("megascale.calibrate.calibrate_profile", lambda threads: measured)
     assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0
     assert "warning: the memory probe faulted in 25% of its results' pages" in capsys.readouterr().out
+
+
+def test_calibrate_says_what_each_figure_is(capsys, monkeypatch):
+    """Every figure the profile stores is printed with its unit and what it measures, after a line saying
+    what the figures are for."""
+    from megascale.calibrate import FIGURES
+    from megascale.plan.profiles import MEASURED
+
+    stored = {*MEASURED, "memory_fresh_page_fraction", "steal_fraction"}
+    assert set(FIGURES) == stored
+    monkeypatch.setattr("megascale.observe.peak.measure_matmul_tflops", lambda dtype, threads: 0.1)
+    measured = dict.fromkeys(sorted(stored), 1.0) | {"steal_fraction": 0.0}
+    monkeypatch.setattr("megascale.calibrate.calibrate_profile", lambda threads: measured)
+    assert main(["calibrate", "--dtype", "float32", "--threads", "1"]) == 0
+    header, peak, *figures, cached = capsys.readouterr().out.strip().splitlines()
+    assert "1 thread(s) a process" in header and "MFU divides by" in header and "megascale plan" in header
+    assert peak == "cpu_matmul_peak_float32_tflops 0.1000  TFLOP/s: a large float32 matmul, this CPU's peak"
+    assert len(figures) == len(stored)
+    units = {"_s": "s", "_per_s": "/s", "fraction": "fraction"}
+    for line in figures:
+        name, value, unit, meaning = re.fullmatch(r"cpu_(\w+) (\S+)  (\S+): (.{20,})", line).groups()
+        assert name in stored and float(value) == measured[name]
+        assert any(name.endswith(end) and want in unit for end, want in units.items()), line
+    assert cached.startswith("cached in ")
