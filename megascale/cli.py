@@ -104,6 +104,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
+    from megascale.launch import outcome
     from megascale.observe.progress import make_console, setup_logging
     from megascale.parallel.dims import ParallelDims
     from megascale.resilience.driver import Driver
@@ -118,7 +119,9 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     check_spec(res.inject or os.environ.get(INJECT))
     run_dir = prepare_run_dir(cfg.training.run_dir)
     setup_logging(run_dir, make_console(), args.debug, filename="driver.log")
-    return Driver(cfg, [*_config_argv(args), *extra], run_dir).run()
+    status = Driver(cfg, [*_config_argv(args), *extra], run_dir).run()
+    logging.getLogger("megascale").info("%s", outcome(run_dir, cfg.training.steps, status))
+    return status
 
 
 def _check_external(res: Any) -> None:

@@ -4,19 +4,25 @@ torch.distributed.elastic's `elastic_launch` is what `torchrun --standalone` run
 free local port, one agent supervising the workers and the environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT) that `init_process_group` reads. Each worker runs `python -m megascale.cli train` with
 the user's arguments, so running under `torchrun` (or srun starting torchrun per node) directly is the same
-code path. This module only builds the launch config and reports a failed worker in one line.
+code path. This module only builds the launch config and reports a failed worker in one line; and, for
+`megascale launch`, the line the job ends with (`outcome`), read from the driver's events and the metrics.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from megascale.observe.events import read_events
+from megascale.observe.metrics import read_metrics
 
 LAUNCHER_VARIABLES = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -78,3 +84,32 @@ def first_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailur
         return (0 if failure.exitcode > 0 else 2 if stopped_by_agent else 1), rank
 
     return min(failures.items(), key=rank_of_cause)
+
+
+def outcome(run_dir: Path, steps: int, status: int) -> str:
+    """The line `megascale launch` ends with: how the job ended (the driver's last decision in
+    events.jsonl, or its exit `status` if it wrote none), the last logged step of `steps` with its loss
+    and validation loss (metrics.jsonl), and the run directory."""
+    events = read_events(run_dir)
+    starts = [index for index, event in enumerate(events) if event["event"] == "driver"]
+    ends = [e for e in events[starts[-1] if starts else 0 :] if e["event"] in ("done", "stopped", "give_up")]
+    records = read_metrics(run_dir)
+    last = records[-1] if records else None
+    end = ends[-1]["event"] if ends else None
+    if end == "done":
+        state = "done" if last and last["step"] >= steps else "stopped at training.stop_at_step"
+    elif end == "stopped":
+        state = "stopped by signal, resumable"
+    elif end == "give_up":
+        state = f"gave up ({ends[-1]['reason']})"
+    else:
+        state = f"ended with status {status}"
+    if last is None:
+        return f"{state}: no step logged; run directory {run_dir}"
+    val = f", val loss {_figure(last['val_loss'])}" if "val_loss" in last else ""
+    return f"{state}: step {last['step']}/{steps}, loss {_figure(last['loss'])}{val}; run directory {run_dir}"
+
+
+def _figure(value: float | str) -> str:
+    """A loss as metrics.jsonl holds it: a number, or 'nan'/'inf' as text."""
+    return f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else str(value)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megascale.checkpoint.checkpointer import list_checkpoints, read_manifest
+from megascale.cli import main
 from megascale.host import children_alive
 from megascale.observe.metrics import read_metrics
 from tests.conftest import tiny_args
@@ -153,3 +154,64 @@ def test_the_failure_reported_is_the_one_that_caused_the_others():
     assert first_cause({0: terminated, 1: config_error, 2: killed}) == (1, config_error)
     assert first_cause({0: terminated, 2: killed}) == (2, killed)  # the OOM killer's, not the agent's
     assert first_cause({3: failure(3, 1), 1: failure(1, 1)})[0] == 1
+
+
+def _ended(run_dir: Path, events: list[dict], losses: dict[int, float], val: dict[int, float] | None = None):
+    """A run directory as a driver leaves it: its events, and the metrics rank 0 logged."""
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({"time": 0, **e}) + "\n" for e in events))
+    records = [
+        {"step": s, "loss": loss, **({"val_loss": val[s]} if val and s in val else {})}
+        for s, loss in losses.items()
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def test_the_line_a_launch_ends_with_says_how_it_ended_its_last_loss_and_where_it_is(tmp_path):
+    from megascale.launch import outcome
+
+    driver, start = {"event": "driver"}, {"event": "start", "attempt": 0}
+    done = _ended(tmp_path / "done", [driver, start, {"event": "done"}], {5: 5.5, 6: 5.25}, val={6: 5.375})
+    assert outcome(done, 6, 0) == f"done: step 6/6, loss 5.2500, val loss 5.3750; run directory {done}"
+    early = _ended(tmp_path / "early", [driver, {"event": "done"}], {3: 5.5})
+    assert (
+        outcome(early, 6, 0)
+        == f"stopped at training.stop_at_step: step 3/6, loss 5.5000; run directory {early}"
+    )
+    signal_ = _ended(tmp_path / "signal", [driver, {"event": "stopped", "reason": "signal"}], {2: 6.0})
+    assert outcome(signal_, 6, 0).startswith("stopped by signal, resumable: step 2/6, loss 6.0000;")
+    # A previous launch's end in the same run directory is not this one's.
+    gave_up = _ended(
+        tmp_path / "gave-up",
+        [
+            driver,
+            {"event": "done"},
+            driver,
+            {"event": "give_up", "reason": "resilience.max_restarts = 0 reached"},
+        ],
+        {4: "nan"},
+    )
+    assert outcome(gave_up, 6, 1) == (
+        f"gave up (resilience.max_restarts = 0 reached): step 4/6, loss nan; run directory {gave_up}"
+    )
+    crashed = _ended(tmp_path / "crashed", [driver, start], {})
+    assert outcome(crashed, 6, 1) == f"ended with status 1: no step logged; run directory {crashed}"
+
+
+def test_launch_ends_with_that_line(tiny_corpus, tmp_path, monkeypatch, capsys):
+    from megascale.resilience.driver import Driver
+
+    run_dir = tmp_path / "run"
+
+    def run(driver):
+        _ended(run_dir, [{"event": "driver"}, {"event": "done"}], {6: 5.125})
+        return 0
+
+    monkeypatch.setattr(Driver, "run", run)
+    assert main(["launch", *tiny_args(tiny_corpus, run_dir, tmp_path / "data")]) == 0
+    said = f"done: step 6/6, loss 5.1250; run directory {run_dir}"
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(said)
+    assert (run_dir / "driver.log").read_text().strip().endswith(said)
