@@ -182,7 +182,7 @@ class Trainer(Stateful):
     def _build_model(self) -> None:
         """The model, parallelised by `parallelize`, its optimizers and schedules."""
         cfg, training, dims = self.cfg, self.cfg.training, self.parallel_dims
-        self.injector = FaultInjector(cfg.resilience.inject, self.rank)
+        self.injector = FaultInjector(cfg.resilience.inject, self.rank, checkpoints=self.checkpoint_root)
         self.reporter = ProgressReporter(self.rank)
         self._last_nonfinite_step: int | None = None
         torch.manual_seed(training.seed)

@@ -10,7 +10,8 @@ newest snapshot or verified checkpoint. With `resilience.standby` the next attem
 same nodes while one trains, and after a fault that leaves every node fit it takes over in about a second
 (`standby_takes_over`). Every decision goes to `<run_dir>/events.jsonl` with its time. Keeping the
 executors is nodes.py's; watching an attempt for faults, watch.py's; taking over the job of a killed
-driver, takeover.py's.
+driver, takeover.py's. The Driver is what those two are given: each names what it needs of it (watch.py's
+`Watched`, takeover.py's `Takeover`, both built on lifecycle.py's heartbeats and executor lifecycle).
 
 torchrun (inside each executor) already restarts workers; what it lacks, and this adds, is detection
 beyond process exit (missing heartbeats, hangs), diagnosis and eviction before a restart, and a record.
@@ -30,16 +31,11 @@ from typing import Any
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
 from megascale.resilience.diagnostics import slower_than_peers
-from megascale.resilience.inject import INJECT, active_faults, corrupt_checkpoint
+from megascale.resilience.inject import INJECT
 from megascale.resilience.links import blame, link_rounds
 from megascale.resilience.nodes import NodeControl
 from megascale.resilience.records import evict, read_blocklist
-from megascale.resilience.takeover import (
-    adopt,
-    read_record,
-    remove_record,
-    resume_point,
-)
+from megascale.resilience.takeover import adopt, read_record, remove_record, resume_point
 from megascale.resilience.watch import AttemptWatch, Fault
 from megascale.stores.control import OutageTolerantStore, StoreLost, open_store
 
@@ -83,7 +79,7 @@ class Driver(NodeControl):
         # Local executors share this machine's cores; an external one splits its own host's.
         threads = max(1, (os.cpu_count() or 1) // (nproc * len(nodes))) if self.executors else None
         # The first node serves the rendezvous, on a port its last heartbeat found free.
-        first = self._beat(nodes[0])
+        first = self.heartbeat(nodes[0])
         assert first is not None  # a healthy node has a heartbeat
         endpoint = f"{first['address'] or first['host']}:{first['free_port']}"
         for node in nodes:
@@ -115,7 +111,7 @@ class Driver(NodeControl):
         STANDBY_RETRY_S)."""
         if not self.res.standby:
             return
-        standbys = [(self._beat(node) or {}).get("standby") or {} for node in nodes]
+        standbys = [(self.heartbeat(node) or {}).get("standby") or {} for node in nodes]
         alive = [standby.get("attempt") == attempt + 1 and standby.get("alive") for standby in standbys]
         requested, when = self.standby_requested or (None, 0.0)
         if requested == attempt + 1 and (all(alive) or time.time() - when < STANDBY_RETRY_S):
@@ -126,7 +122,7 @@ class Driver(NodeControl):
         """Whether every process of `attempt` waits, ready, as the nodes' warm standby."""
         nproc = self.res.nproc_per_node
         for node in nodes:
-            standby = (self._beat(node) or {}).get("standby")
+            standby = (self.heartbeat(node) or {}).get("standby")
             if not standby or standby["attempt"] != attempt or not standby["alive"]:
                 return False
             if len(standby["ready"]) < nproc:
@@ -156,7 +152,7 @@ class Driver(NodeControl):
         if failed:
             self.replenish()
             return "evicted"
-        checkpoint_step = self._newest_checkpoint_step(attempt + 1, verified=False)
+        checkpoint_step = self._newest_checkpoint_step(verified=False)
         self.events.write("restart", attempt=attempt + 1, checkpoint_step=checkpoint_step, standby=True)
         for node in nodes:
             self._command(node, "activate", attempt=attempt + 1)
@@ -272,9 +268,9 @@ class Driver(NodeControl):
             spares=self.res.spares,
         )
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        self._write_record()
+        self.write_record()
         if self.previous is not None:
-            adopt(self)
+            adopt(self, self.previous)
         elif self.res.executors == "local":
             self.start_executors()
         store_lost = None
@@ -282,7 +278,7 @@ class Driver(NodeControl):
             return self._loop()
         except StoreLost as err:
             store_lost = err
-            step = self._verified_checkpoint_step()
+            step = self.verified_checkpoint_step()
             self.events.write(
                 "give_up",
                 reason=f"{err}; resumable from the checkpoint of step {step}: run `megascale launch` again "
@@ -311,7 +307,9 @@ class Driver(NodeControl):
 
     def _loop(self) -> int:
         if self.previous is not None:
-            attempt, nodes, running = resume_point(self)
+            point = resume_point(self)
+            attempt, nodes, running = point.attempt, point.nodes, point.started is not None
+            self.attempt_started = point.started or 0.0
         else:
             attempt, nodes, running = 0, self.wait_for_nodes()[: self.res.nodes], False
         recovered = running or attempt == 0  # False: a restart whose first step is still to come
@@ -369,9 +367,7 @@ class Driver(NodeControl):
             nodes = self.healthy_nodes()[: self.res.nodes]
             # The newest checkpoint in storage; the ranks may resume from a newer snapshot still in their
             # nodes' memory (`recovered` says where they did).
-            self.events.write(
-                "restart", attempt=attempt, checkpoint_step=self._newest_checkpoint_step(attempt)
-            )
+            self.events.write("restart", attempt=attempt, checkpoint_step=self._newest_checkpoint_step())
 
     def _blame(self, fault: Fault) -> dict[str, Any] | None:
         """Who a fault that passes every self-check is put on: after a hang, the ranks it waits for (the
@@ -424,28 +420,24 @@ class Driver(NodeControl):
             self.events.write("evict", node=blamed_out, reason=f"blamed for {HANGS_TO_EVICT} hangs")
         self.replenish()
 
-    def _newest_checkpoint_step(self, attempt: int, verified: bool = True) -> int:
+    def _newest_checkpoint_step(self, verified: bool = True) -> int:
         """The step of the newest committed checkpoint, read back and checked when `verified` (the
         standby's restart does not read storage, so neither does its event)."""
-        from megascale.checkpoint.checkpointer import list_checkpoints
+        from megascale.checkpoint.manifest import list_checkpoints
 
-        root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
-        checkpoints = list_checkpoints(root)
-        if checkpoints and any(
-            f.kind == "corrupt_checkpoint" for f in active_faults(self.inject, attempt - 1)
-        ):
-            corrupt_checkpoint(checkpoints[-1][1])
-            self.events.write("injected", kind="corrupt_checkpoint", checkpoint=checkpoints[-1][1])
-        if not verified:
-            return checkpoints[-1][0] if checkpoints else 0
-        return self._verified_checkpoint_step()
+        if verified:
+            return self.verified_checkpoint_step()
+        checkpoints = list_checkpoints(self._checkpoint_root())
+        return checkpoints[-1][0] if checkpoints else 0
 
-    def _verified_checkpoint_step(self) -> int:
+    def _checkpoint_root(self) -> str:
+        return self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
+
+    def verified_checkpoint_step(self) -> int:
         """The step of the newest checkpoint that verifies: what the trainer will resume from (0: none)."""
         from megascale.checkpoint.checkpointer import Checkpointer, read_manifest
 
-        root = self.cfg.checkpoint.location or str(Path(self.cfg.training.run_dir) / "checkpoints")
-        newest = Checkpointer(root, keep=1).latest_verified()
+        newest = Checkpointer(self._checkpoint_root(), keep=1).latest_verified()
         return read_manifest(newest)["step"] if newest else 0
 
     def _layout_fits(self, nodes: int) -> bool:

@@ -1,12 +1,13 @@
 """One executor per node: starts the node's training processes through torchrun and reports a heartbeat.
 
-torchrun (torch.distributed.elastic) runs this node's workers and joins the other nodes through its c10d
-rendezvous, whose endpoint the driver hands out per attempt: a free port on the first node's address,
-which that node's torchrun serves. An executor registers itself in the store when it starts, so the driver
-finds executors started on other hosts (`megascale executor`, by Slurm, Kubernetes or hand) as it finds
-the ones it starts on its own machine. The executor adds what MegaScale's executor
-does on top (paper §4.1): a heartbeat with the node's process states, each rank's step and loss, and the
-log lines that match error keywords; and it obeys the driver's commands (start, stop, diagnose, exit).
+torchrun (torch.distributed.elastic, through agent.py) runs this node's workers and joins the other
+nodes through its c10d rendezvous, whose endpoint the driver hands out per attempt: a free port on the
+first node's address, which that node's torchrun serves. An executor registers itself in the store when
+it starts, so the driver finds executors started on other hosts (`megascale executor`, by Slurm,
+Kubernetes or hand) as it finds the ones it starts on its own machine. The executor adds what
+MegaScale's executor does on top (paper §4.1): a heartbeat with the node's process states (which ranks a
+signal ended, from torchrun's own account of them), each rank's step and loss, and the log lines that
+match error keywords; and it obeys the driver's commands (start, stop, diagnose, exit).
 Stop kills the whole torchrun session at once: after a fault, the workers' state is not worth saving
 (the restart loads the newest snapshot or verified checkpoint).
 
@@ -41,6 +42,7 @@ from megascale.checkpoint.persist import NODE, PERSISTER, STAGING_DIR, Persister
 from megascale.checkpoint.staging import claim, is_alive, process_identity, remove_stale, staging_base
 from megascale.errors import ConfigError
 from megascale.host import children_alive, free_port, interface_of, io_bytes
+from megascale.resilience.agent import FAILURES, signalled_ranks
 from megascale.resilience.client import (
     EXECUTOR_GRACE,
     EXECUTOR_RECORD,
@@ -51,8 +53,7 @@ from megascale.resilience.client import (
     standby_ranks_ready,
 )
 from megascale.resilience.inject import ATTEMPT
-from megascale.resilience.processes import AdoptedTorchrun, RankWatch, kill_session
-from megascale.resilience.takeover import AdoptedProcess
+from megascale.resilience.processes import AdoptedProcess, AdoptedTorchrun, RankWatch, kill_session
 from megascale.stores.control import OutageTolerantStore, StoreLost, open_store
 
 ERROR_KEYWORDS = re.compile(
@@ -60,10 +61,6 @@ ERROR_KEYWORDS = re.compile(
 )
 MAX_ERROR_LINES = 20
 COMMAND_POLL_S = 0.05  # how often the executor looks for a command (heartbeats go every interval)
-# torchrun's failure summary (torch.distributed.elastic's ChildFailedError): a worker's global rank, then
-# its exit code, negative when a signal ended it.
-FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
-FAILED_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 log = logging.getLogger("megascale.executor")
 
@@ -103,9 +100,7 @@ class Executor:
         self.log_path: Path | None = None
         self.log_offset = 0
         self.errors: list[str] = []
-        self.signalled: dict[str, str] = {}  # rank -> the signal that ended it, from torchrun's summary
         self.exited_at: float | None = None  # when this executor first saw torchrun gone
-        self._failed_rank: str | None = None
         self.activation_failed = False  # the attempt was to be a standby's, and there was none
         self.rank_watch = RankWatch()
         self.standby: subprocess.Popen | AdoptedProcess | None = (
@@ -248,7 +243,7 @@ class Executor:
         job's in the same run directory, an earlier standby's): their reports are not this attempt's."""
         directory = self._attempt_dir(attempt)
         directory.mkdir(parents=True, exist_ok=True)
-        for pattern in ("rank-*.json", "input-error-*.json", "standby-*.json", "go"):
+        for pattern in ("rank-*.json", "input-error-*.json", "standby-*.json", FAILURES, "go"):
             for leftover in directory.glob(pattern):
                 leftover.unlink(missing_ok=True)
 
@@ -259,7 +254,7 @@ class Executor:
         progress_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = progress_dir / "output.log"
         self.log_offset, self.errors = 0, []
-        self.signalled, self.exited_at, self._failed_rank = {}, None, None
+        self.exited_at = None
         self.activation_failed = False
         self.rank_watch = RankWatch()
 
@@ -294,7 +289,7 @@ class Executor:
             OMP_NUM_THREADS=str(threads),
         )
         torchrun = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "megascale.resilience.agent", str(progress_dir / FAILURES),
             f"--nnodes={command['nnodes']}",
             f"--nproc-per-node={command['nproc_per_node']}",
             "--rdzv-backend=c10d",
@@ -391,7 +386,10 @@ class Executor:
             "state": state,
             "exit_code": exit_code,
             "exited_at": self.exited_at,
-            "signalled": self.signalled,
+            # The ranks a signal ended, from torchrun's own account of its failed workers (agent.py).
+            "signalled": signalled_ranks(self.log_path.parent / FAILURES)
+            if state == "exited" and self.log_path
+            else {},
             "pid": self.proc.pid if self.proc else None,
             "workers": workers,
             # What the driver kills should this executor die: torchrun's session and each worker's, the
@@ -420,8 +418,7 @@ class Executor:
         return beat
 
     def _scan_log(self) -> None:
-        """New log lines matching an error keyword go into the heartbeat, and so do the ranks torchrun's
-        failure summary says a signal ended (the driver's best clue to which node a fault began on)."""
+        """New log lines matching an error keyword go into the heartbeat."""
         if self.log_path is None or not self.log_path.exists():
             return
         with open(self.log_path, "rb") as log:
@@ -432,15 +429,6 @@ class Executor:
         for line in chunk[:complete].decode(errors="replace").splitlines():
             if ERROR_KEYWORDS.search(line):
                 self.errors.append(line[:300])
-            if match := FAILED_RANK.match(line):
-                self._failed_rank = match[1]
-            elif (match := FAILED_EXIT.match(line)) and self._failed_rank is not None:
-                if (code := int(match[1])) < 0:
-                    try:
-                        self.signalled[self._failed_rank] = signal.Signals(-code).name
-                    except ValueError:
-                        self.signalled[self._failed_rank] = f"signal {-code}"
-                self._failed_rank = None
 
     def run(self) -> None:
         """Obey commands as they come (looked for every COMMAND_POLL_S) and beat every interval, at once

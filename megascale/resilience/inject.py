@@ -1,15 +1,16 @@
 """Fault injection for tests and rehearsals: `resilience.inject` or MEGASCALE_INJECT, e.g.
 "kill:rank=1:step=7,slow:rank=2:factor=1.5".
 
-Faults a training process injects into itself:
+Faults a training process injects into itself (`FaultInjector`, called by the trainer):
 - kill:rank=R:step=S      SIGKILL itself when step S begins
 - hang:rank=R:step=S      stop making progress at step S (sleep, holding its peers in the next collective)
 - nan:step=S              make step S's loss NaN on every rank
 - slow:rank=R:factor=F    rank R computes F times slower (from step S with :step=S): a straggler
-Faults the executor and checkpoints take (resilience/diagnostics.py, resilience/links.py):
+- corrupt_checkpoint:step=S   when step S begins, rank 0 (or rank=R) truncates a shard of the newest
+                          checkpoint committed by then: the next restart that reads storage meets it
+Faults the executor's self-checks take (resilience/diagnostics.py, resilience/links.py):
 - diagnose_fail:node=N    node N fails its self-check
 - link_fail:node=N        node N's data is damaged in the all-reduce with its neighbour nodes
-- corrupt_checkpoint      truncate a shard of the newest checkpoint before the restart
 A fault fires in the first attempt only (`attempt=K` picks another), so a restart replays cleanly.
 
 A spec of `@PATH` is read from the file PATH each time it is used (an absent file: no faults): a rehearsal
@@ -18,6 +19,7 @@ writes faults there while the job runs (`megascale rehearse --soak`), for an att
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -27,12 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import overload
 
+from megascale.checkpoint.manifest import list_checkpoints
 from megascale.errors import ConfigError
 
 INJECT = "MEGASCALE_INJECT"
 ATTEMPT = "MEGASCALE_ATTEMPT"
 KINDS = {"kill", "hang", "nan", "slow", "diagnose_fail", "link_fail", "corrupt_checkpoint"}
-RANK_KINDS = {"kill", "hang", "nan", "slow"}  # the faults a training process injects into itself
+RANK_KINDS = {"kill", "hang", "nan", "slow", "corrupt_checkpoint"}  # what training processes inject
+ONE_RANK_KINDS = {"corrupt_checkpoint"}  # done once for the job: by rank 0, unless `rank=` names another
+AT_A_STEP = {"kill", "hang", "nan", "corrupt_checkpoint"}  # faults that need their `step=`
+
+log = logging.getLogger("megascale.inject")
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,8 @@ def parse_faults(spec: str | None) -> list[Fault]:
                 sep = ""
             if not sep:
                 raise ValueError(f"fault {item!r}: {pair!r} is not key=number")
+        if kind in AT_A_STEP and "step" not in params:
+            raise ValueError(f"fault {item!r}: the step it happens at is missing (step=S)")
         faults.append(Fault(kind, params))
     return faults
 
@@ -91,23 +100,28 @@ def active_faults(spec: str | None, attempt: int) -> list[Fault]:
 
 
 class FaultInjector:
-    """The faults of one training rank, called by the trainer around each step."""
+    """The faults of one training rank, called by the trainer around each step. `checkpoints`: the root
+    of the job's checkpoints (a local path), which `corrupt_checkpoint` damages."""
 
-    def __init__(self, spec: str | None, rank: int, attempt: int | None = None):
+    def __init__(
+        self, spec: str | None, rank: int, attempt: int | None = None, checkpoints: str | None = None
+    ):
         self.attempt = int(os.environ.get(ATTEMPT, "0")) if attempt is None else attempt
         self.spec = spec if spec is not None else os.environ.get(INJECT)
         self.rank = rank
+        self.checkpoints = checkpoints
         check_spec(self.spec)
         self._faults = self._read()
         self._file_state: tuple[float, int] | None = None  # an `@PATH` spec's (mtime, size) when read
 
     def _read(self) -> list[Fault]:
-        return [
-            fault
-            for fault in active_faults(self.spec, self.attempt)
-            if fault.kind in {"kill", "hang", "nan", "slow"}
-            and int(fault.get("rank", self.rank)) == self.rank
-        ]
+        return [fault for fault in active_faults(self.spec, self.attempt) if self._takes(fault)]
+
+    def _takes(self, fault: Fault) -> bool:
+        """Whether this rank injects `fault`: a rank's fault, for this rank (`rank=`, else every rank, or
+        rank 0 for a fault done once for the job)."""
+        default = 0 if fault.kind in ONE_RANK_KINDS else self.rank
+        return fault.kind in RANK_KINDS and int(fault.get("rank", default)) == self.rank
 
     @property
     def faults(self) -> list[Fault]:
@@ -128,6 +142,11 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """`step` is the number of the step about to run (1-based)."""
         for fault in self.faults:
+            if fault.kind == "corrupt_checkpoint" and step == fault.get("step") and self.checkpoints:
+                newest = list_checkpoints(self.checkpoints)
+                if newest:
+                    shard = corrupt_checkpoint(newest[-1][1])
+                    log.warning("inject: truncated %s of the checkpoint at %s", shard.name, newest[-1][1])
             if fault.kind == "kill" and step == fault.get("step"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "hang" and step == fault.get("step"):
@@ -151,8 +170,10 @@ class FaultInjector:
                     pass
 
 
-def corrupt_checkpoint(location: str) -> None:
-    """Truncate one shard of the checkpoint at `location` to half its size (`corrupt_checkpoint`)."""
+def corrupt_checkpoint(location: str) -> Path:
+    """Truncate one shard of the checkpoint at `location` to half its size (`corrupt_checkpoint`); returns
+    the shard."""
     shards = sorted(path for path in Path(location).iterdir() if path.suffix == ".distcp")
     shard = random.Random(0).choice(shards)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard

@@ -4,7 +4,8 @@
 adopted from a killed driver, replaced when one dies, fenced, and replenished after an eviction), reads
 their registrations and heartbeats from the store and writes their commands, answers who is healthy,
 stops them, and waits for their answers and for the snapshots they persist. It decides nothing about the
-job: the driver's loop does.
+job: the driver's loop does. It implements the heartbeats and the executor lifecycle of lifecycle.py,
+which the driver's other parts (watch.py, takeover.py) are typed against.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from megascale.config import JobConfig
 from megascale.host import local_address
 from megascale.observe.events import EventLog
 from megascale.resilience.executor import executor_command
+from megascale.resilience.processes import AdoptedProcess
 from megascale.resilience.records import read_blocklist
-from megascale.resilience.takeover import AdoptedProcess, write_record
+from megascale.resilience.takeover import write_record
 from megascale.stores.control import ControlStore, OutageTolerantStore
 
 
@@ -59,13 +61,22 @@ class NodeControl:
         self.commands[node] = {"seq": self.seq, "action": action, **fields}
         self.store.put(f"cmd/{node}", self.commands[node])
 
-    def _beat(self, node: str) -> dict[str, Any] | None:
+    def heartbeat(self, node: str) -> dict[str, Any] | None:
         return self.store.fetch(f"hb/{node}")
+
+    def heartbeat_age(self, beat: dict[str, Any], now: float | None = None) -> float:
+        """How old a heartbeat is, counted from the end of the store's last outage at the earliest: no
+        executor could beat while the store was away."""
+        return (now or time.time()) - max(beat["time"], self.outage_ended_at)
+
+    @property
+    def outage_ended_at(self) -> float:
+        return self.store.back_at
 
     def start_executors(self) -> None:
         for index in range(self.res.nodes + self.res.spares):
             if f"node-{index}" not in read_blocklist(self.run_dir):
-                self._start_executor(index)
+                self.start_executor(f"node-{index}")
 
     def replenish(self) -> None:
         """Local executors: for each evicted node, tell its executor to exit and start a new node under
@@ -83,20 +94,36 @@ class NodeControl:
         while len(usable) < self.res.nodes + self.res.spares:
             while f"node-{index}" in blocked:
                 index += 1
-            self._start_executor(index)
+            self.start_executor(f"node-{index}")
             usable.append(f"node-{index}")
             index += 1
 
-    def _start_executor(self, index: int) -> None:
-        node = f"node-{index}"
+    def start_executor(self, node: str) -> None:
+        """Start the executor of `node` (named node-<index>) on this machine, at the index's address."""
+        address = local_address(int(node.rsplit("-", 1)[1]))
         command = executor_command(
-            self.store.url, self.job, node, self.run_dir, self.res.heartbeat_interval_s, local_address(index)
+            self.store.url, self.job, node, self.run_dir, self.res.heartbeat_interval_s, address
         )
         command += ["--store-grace", str(self.res.store_grace_s)]
         self.executors[node] = subprocess.Popen(command, start_new_session=True)  # type: ignore[assignment]
-        self._write_record()
+        self.write_record()
 
-    def _write_record(self) -> None:
+    def adopt_executor(self, node: str, identity: dict[str, Any]) -> None:
+        """Keep `node`'s executor, which a killed driver started (`identity`: its process), as ours."""
+        self.executors[node] = AdoptedProcess(identity)
+        self.write_record()
+
+    def restore_registrations(self, known: list[dict[str, Any]]) -> None:
+        """Take the registrations a killed driver read (`known`, in ticket order) as read, and put them
+        back in a store that died with it, so that a new executor's ticket comes after them."""
+        self.registered.update((info["node"], info) for info in known)  # joined before: no new event
+        if self.store.add("registered", 0) == 0:
+            self.store.add("registered", len(known))
+            for ticket, info in enumerate(known):
+                self.store.put(f"node/{ticket}", info)
+
+    def write_record(self) -> None:
+        """The driver's record (takeover.py): what a driver started after this one dies takes over."""
         executors = {node: process_identity(proc.pid) for node, proc in self.executors.items()}
         write_record(self.run_dir, self.job, self.store.url, executors)
 
@@ -110,14 +137,14 @@ class NodeControl:
         resilience.heartbeat_timeout_s (an executor on another host; one busy with a self-check beats not)."""
         if self.executor_exited(node):
             return True
-        beat = self._beat(node)
-        return beat is None or self._beat_age(beat) > self.res.heartbeat_timeout_s
+        beat = self.heartbeat(node)
+        return beat is None or self.heartbeat_age(beat) > self.res.heartbeat_timeout_s
 
     def fence(self, node: str) -> None:
         """Kill what a dead executor left running on this host: its torchrun's session and each worker's,
         which would otherwise live on as orphans in a collective, holding the node's memory. Processes on
         another host are out of reach from here; the survivors' collectives time out without them."""
-        beat = self._beat(node)
+        beat = self.heartbeat(node)
         if not beat or beat.get("host") != socket.gethostname():
             return
         killed = []
@@ -141,11 +168,11 @@ class NodeControl:
                 os.killpg(old.pid, signal.SIGKILL)
         old.wait()
         started = time.time()
-        self._start_executor(int(node.rsplit("-", 1)[1]))
+        self.start_executor(node)
         deadline = started + self.res.startup_timeout_s
         while time.time() < deadline:
             self.discover()
-            beat = self._beat(node)
+            beat = self.heartbeat(node)
             if (beat is not None and beat["time"] > started) or self.executor_exited(node):
                 break
             time.sleep(min(0.2, self.res.heartbeat_interval_s))
@@ -171,8 +198,8 @@ class NodeControl:
         blocked, now = set(read_blocklist(self.run_dir)), time.time()
         healthy = []
         for node, info in self.registered.items():
-            beat = self._beat(node)
-            alive = beat is not None and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
+            beat = self.heartbeat(node)
+            alive = beat is not None and self.heartbeat_age(beat, now) < self.res.heartbeat_timeout_s
             if node in self.executors:
                 alive = alive and self.executors[node].poll() is None
             if alive and node not in blocked:
@@ -192,7 +219,7 @@ class NodeControl:
             self._command(node, action)
         deadline = time.time() + self.res.heartbeat_timeout_s + (60 if action == "terminate" else 0)
         while time.time() < deadline:
-            beats = [self._beat(node) for node in nodes]
+            beats = [self.heartbeat(node) for node in nodes]
             if all(beat is None or beat["state"] != "running" for beat in beats):
                 return
             time.sleep(self.res.heartbeat_interval_s)
@@ -206,9 +233,11 @@ class NodeControl:
         deadline, stuck_since = time.time() + timeout_s, None
         grace_s = 2 * self.res.heartbeat_interval_s + 1.0  # a share written just now is seen by then
         while time.time() < deadline:
-            now, beats = time.time(), [self._beat(node) for node in nodes]
+            now, beats = time.time(), [self.heartbeat(node) for node in nodes]
             live = [
-                beat for beat in beats if beat and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
+                beat
+                for beat in beats
+                if beat and self.heartbeat_age(beat, now) < self.res.heartbeat_timeout_s
             ]
             busy = [
                 beat for beat in live if beat.get("snapshots_pending")
@@ -254,18 +283,15 @@ class NodeControl:
         """Until every live executor has said its last word (a TCPStore closes with this driver)."""
         deadline = time.time() + self.res.heartbeat_timeout_s
         while time.time() < deadline:
-            beats, now = [self._beat(node) for node in nodes], time.time()
+            beats, now = [self.heartbeat(node) for node in nodes], time.time()
             live = [
-                beat for beat in beats if beat and self._beat_age(beat, now) < self.res.heartbeat_timeout_s
+                beat
+                for beat in beats
+                if beat and self.heartbeat_age(beat, now) < self.res.heartbeat_timeout_s
             ]
             if all(beat["state"] == "left" for beat in live):
                 return
             time.sleep(0.1)
-
-    def _beat_age(self, beat: dict[str, Any], now: float | None = None) -> float:
-        """How old a heartbeat is, counted from the end of the store's last outage at the earliest: no
-        executor could beat while the store was away."""
-        return (now or time.time()) - max(beat["time"], self.store.back_at)
 
     def _reseed(self, store: ControlStore) -> None:
         """The store answers again after an outage. A Redis server restarted empty has lost the job's keys:

@@ -1,6 +1,7 @@
-"""What an executor knows of its node's training processes beyond being their parent: how to kill a
-torchrun session whole, how to watch one a killed predecessor started (`AdoptedTorchrun`), and which of
-its ranks died or stopped while torchrun runs (`RankWatch`, from /proc).
+"""What the control plane knows of processes beyond being their parent: how to watch one a killed
+predecessor started (`AdoptedProcess`: an executor adopted by a new driver; `AdoptedTorchrun`: a torchrun
+adopted by a new executor), how to kill a torchrun session whole, and which of its ranks died or stopped
+while torchrun runs (`RankWatch`, from /proc).
 """
 
 from __future__ import annotations
@@ -8,12 +9,40 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+from megascale.checkpoint.staging import is_alive
 from megascale.host import children_alive, process_state
 from megascale.resilience.client import read_progress
-from megascale.resilience.takeover import AdoptedProcess
+
+
+class AdoptedProcess:
+    """A process a killed predecessor started: not our child, so it is watched by its identity (pid,
+    start time, boot) rather than waited for. Offers what its users take of subprocess.Popen; the exit
+    status of a process that is not our child cannot be read (returncode -1 once it is gone)."""
+
+    def __init__(self, identity: dict[str, Any]):
+        self.identity, self.pid = identity, int(identity["pid"])
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not is_alive(self.identity):
+            self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if timeout is not None and deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.1)
+        return code
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
 
 
 class AdoptedTorchrun(AdoptedProcess):

@@ -15,19 +15,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megascale.checkpoint.staging import is_alive, process_identity
+from megascale.config import ResilienceConfig
 from megascale.errors import ConfigError
-from megascale.observe.events import read_events
+from megascale.observe.events import EventLog, read_events
+from megascale.resilience.lifecycle import ExecutorLifecycle, Heartbeats
 from megascale.resilience.records import read_blocklist
-
-if TYPE_CHECKING:
-    from megascale.resilience.driver import Driver
 
 DRIVER_RECORD = "driver.json"
 
@@ -76,78 +74,70 @@ def last_attempt(run_dir: Path) -> dict[str, Any] | None:
     return starts[-1] if starts else None
 
 
-class AdoptedProcess:
-    """An executor a dead driver started: this driver is not its parent, so it is watched by its identity
-    (pid, start time, boot) rather than waited for. Offers what the driver uses of subprocess.Popen; the
-    exit status of a process that is not our child cannot be read (returncode -1 once it is gone)."""
+class Takeover(Heartbeats, ExecutorLifecycle, Protocol):
+    """What taking a job over needs of the new driver (driver.py's Driver): its nodes' heartbeats and
+    executors, their registrations, stopping them, and the newest checkpoint a restart would read."""
 
-    def __init__(self, identity: dict[str, Any]):
-        self.identity, self.pid = identity, int(identity["pid"])
-        self.returncode: int | None = None
+    job: str
+    run_dir: Path
+    res: ResilienceConfig
+    events: EventLog
 
-    def poll(self) -> int | None:
-        if self.returncode is None and not is_alive(self.identity):
-            self.returncode = -1
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if timeout is not None and deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.1)
-        return code
-
-    def send_signal(self, sig: signal.Signals) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+    def restore_registrations(self, known: list[dict[str, Any]]) -> None: ...
+    def discover(self) -> None: ...
+    def wait_for_nodes(self) -> list[str]: ...
+    def stop_nodes(self, nodes: list[str]) -> None: ...
+    def wait_for_snapshots(self, nodes: list[str]) -> None: ...
+    def verified_checkpoint_step(self) -> int: ...
 
 
-def adopt(driver: Driver) -> None:
-    """Take the job of a killed driver over: put its executors' registrations back in a store that died
-    with it, adopt the executors it started that still live, and start again those that died."""
-    previous = driver.previous
-    assert previous is not None  # only a driver that found a killed one's record takes over
-    driver.events.write("takeover", job=driver.job, previous_pid=previous["identity"]["pid"])
-    known = registrations(driver.run_dir)
-    driver.registered.update((info["node"], info) for info in known)  # joined before: no new event
-    if driver.store.add("registered", 0) == 0:
-        driver.store.add("registered", len(known))
-        for ticket, info in enumerate(known):
-            driver.store.put(f"node/{ticket}", info)
-    blocked = read_blocklist(driver.run_dir)
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a job taken over goes on: `attempt` on `nodes`, which runs since `started` (time.time()), or,
+    with `started` None, is to be started."""
+
+    attempt: int
+    nodes: list[str]
+    started: float | None
+
+
+def adopt(job: Takeover, previous: dict[str, Any]) -> None:
+    """Take the job of a killed driver (its record: `previous`) over: put its executors' registrations
+    back in a store that died with it, adopt the executors it started that still live, and start again
+    those that died."""
+    job.events.write("takeover", job=job.job, previous_pid=previous["identity"]["pid"])
+    job.restore_registrations(registrations(job.run_dir))
+    blocked = read_blocklist(job.run_dir)
     for node, identity in previous["executors"].items():
         if is_alive(identity):
-            driver.executors[node] = AdoptedProcess(identity)
+            job.adopt_executor(node, identity)
         elif node not in blocked:
-            driver._start_executor(int(node.rsplit("-", 1)[1]))
-    driver._write_record()
+            job.start_executor(node)
 
 
-def resume_point(driver: Driver) -> tuple[int, list[str], bool]:
-    """(attempt, its nodes, whether it runs already) for a job taken over: the attempt its executors still
-    run (watched on, no step lost), else the next one, from the newest checkpoint."""
-    last = last_attempt(driver.run_dir)
+def resume_point(job: Takeover) -> ResumePoint:
+    """For a job taken over: the attempt its executors still run (watched on, no step lost), else the
+    next one, from the newest checkpoint."""
+    last = last_attempt(job.run_dir)
     if last is None:  # the killed driver had started none
-        return 0, driver.wait_for_nodes()[: driver.res.nodes], False
+        return ResumePoint(0, job.wait_for_nodes()[: job.res.nodes], None)
     attempt, nodes = last["attempt"], last["nodes"]
-    deadline = time.time() + driver.res.heartbeat_timeout_s  # executors reconnect within their interval
+    deadline = time.time() + job.res.heartbeat_timeout_s  # executors reconnect within their interval
     while True:
-        driver.discover()
-        beats = [driver._beat(node) for node in nodes]
+        job.discover()
+        beats = [job.heartbeat(node) for node in nodes]
         if all(beat and beat.get("attempt") == attempt and beat["state"] != "idle" for beat in beats):
-            driver.attempt_started = last["time"]
-            driver.events.write("adopted", attempt=attempt, nodes=nodes)
-            return attempt, nodes, True
+            job.events.write("adopted", attempt=attempt, nodes=nodes)
+            return ResumePoint(attempt, nodes, last["time"])
         if time.time() > deadline:
             break
-        time.sleep(min(0.2, driver.res.heartbeat_interval_s))
+        time.sleep(min(0.2, job.res.heartbeat_interval_s))
     # Not every node runs it (the killed driver was stopping it, or starting the next): the next one,
     # numbered after any a node may have been told to start.
-    live = [node for node in nodes if not driver.executor_gone(node)]
-    driver.stop_nodes(live)
-    driver.wait_for_snapshots(live)
-    driver.events.write("stopped", attempt=attempt, nodes=nodes)
+    live = [node for node in nodes if not job.executor_gone(node)]
+    job.stop_nodes(live)
+    job.wait_for_snapshots(live)
+    job.events.write("stopped", attempt=attempt, nodes=nodes)
     attempt = max([attempt, *(beat.get("attempt") or 0 for beat in beats if beat)]) + 1
-    driver.events.write("restart", attempt=attempt, checkpoint_step=driver._verified_checkpoint_step())
-    return attempt, driver.wait_for_nodes()[: driver.res.nodes], False
+    job.events.write("restart", attempt=attempt, checkpoint_step=job.verified_checkpoint_step())
+    return ResumePoint(attempt, job.wait_for_nodes()[: job.res.nodes], None)

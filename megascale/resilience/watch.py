@@ -3,7 +3,9 @@ applied, and the first fault named (paper §4.2); after a hang, the ranks it wai
 
 The driver (driver.py) decides what to do about a fault; this module only finds it. `AttemptWatch` holds
 what one attempt's watch accumulates: the detectors' histories, the newest step and when it came, the
-first failure seen while failures are gathered, the stragglers and the progress line already said.
+first failure seen while failures are gathered, the stragglers and the progress line already said. What
+it needs of the driver is `Watched`: the nodes' heartbeats, their executors' lifecycle (a dead executor
+is replaced, the warm standby kept), and a few things of the job.
 """
 
 from __future__ import annotations
@@ -13,20 +15,35 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from megascale.config import JobConfig
+from megascale.observe.events import EventLog
 from megascale.observe.hang import HANG, analyze, read_dumps
 from megascale.observe.trace import sessions
 from megascale.resilience.detectors import FlatCounter, LossSpike, StepTimeCollapse, nonfinite_steps
-
-if TYPE_CHECKING:
-    from megascale.resilience.driver import Driver
+from megascale.resilience.lifecycle import ExecutorLifecycle, Heartbeats
 
 log = logging.getLogger("megascale.driver")
 BLAME_WAIT_S = 10.0  # the longest a hang's restart waits for the ranks' stall states
 # What a run sends its own processes: torchrun's stop, the NCCL watchdog's abort, a user's Ctrl-C. Any
 # other signal (SIGKILL from the OOM killer or an operator, SIGSEGV, SIGBUS) is where a fault began.
 SECONDARY_SIGNALS = {"SIGTERM", "SIGABRT", "SIGINT"}
+
+
+class Watched(Heartbeats, ExecutorLifecycle, Protocol):
+    """What watching an attempt needs of the driver (driver.py's Driver), besides the heartbeats and the
+    executors: the job's config and events log, whether it was asked to stop, when the watched attempt
+    started, the stage 2 failures already said (per node, across attempts), and the healthy nodes (is a
+    spare free for a straggler's node?)."""
+
+    cfg: JobConfig
+    events: EventLog
+    stop_requested: bool
+    attempt_started: float
+    persist_failures: dict[str, int]
+
+    def healthy_nodes(self) -> list[str]: ...
 
 
 @dataclass
@@ -94,8 +111,8 @@ class AttemptWatch:
     node finished cleanly (or the driver was asked to stop). `recovered=False`: a restart whose first
     step is still to come (the `recovered` event)."""
 
-    def __init__(self, driver: Driver, nodes: list[str], attempt: int, recovered: bool = True):
-        self.driver, self.res, self.events = driver, driver.res, driver.events
+    def __init__(self, driver: Watched, nodes: list[str], attempt: int, recovered: bool = True):
+        self.driver, self.res, self.events = driver, driver.cfg.resilience, driver.events
         self.nodes, self.attempt, self.recovered = nodes, attempt, recovered
         self.started = time.time()
         self.last_step, self.last_change = -1, self.started  # the newest step, and when it came
@@ -125,11 +142,11 @@ class AttemptWatch:
             # Started again, the node's executor adopts its processes (executor.py): the attempt trains on,
             # and a node whose processes died with the executor reports the attempt failed.
             driver.replace_executor(node)
-        beats = {node: driver._beat(node) for node in self.nodes}
+        beats = {node: driver.heartbeat(node) for node in self.nodes}
         current = {node: beat for node, beat in beats.items() if beat and beat.get("attempt") == self.attempt}
         self._say_persist_failures(beats)
         for node, beat in beats.items():
-            age = driver._beat_age(beat, now) if beat else now - max(self.started, driver.store.back_at)
+            age = driver.heartbeat_age(beat, now) if beat else now - max(self.started, driver.outage_ended_at)
             if age > self.res.heartbeat_timeout_s:
                 return Fault("heartbeat_lost", node, f"no heartbeat for {age:.1f} s", self.last_step)
         failed = {
@@ -218,7 +235,7 @@ class AttemptWatch:
             fault = self._anomalies(self.last_step, current)
             if fault is not None:
                 return fault
-        self.last_change = max(self.last_change, self.driver.store.back_at)  # nothing read in an outage
+        self.last_change = max(self.last_change, self.driver.outage_ended_at)  # nothing read in an outage
         return self._stalled(now, silent_s, reports)
 
     def _stalled(self, now: float, silent_s: float, reports: dict[str, dict[str, Any]]) -> Fault | None:
@@ -318,7 +335,7 @@ class AttemptWatch:
         node_of = {
             int(rank): node
             for node in self.nodes
-            if (beat := driver._beat(node))
+            if (beat := driver.heartbeat(node))
             for rank in beat.get("progress", {})
         }
         return {

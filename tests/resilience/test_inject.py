@@ -5,11 +5,12 @@ import time
 
 import pytest
 
+from megascale.checkpoint.manifest import MANIFEST
 from megascale.resilience.inject import FaultInjector, active_faults, parse_faults
 
 
 def test_parse_and_filter_by_attempt():
-    faults = parse_faults("kill:rank=1:step=7, nan:step=3:attempt=1,corrupt_checkpoint")
+    faults = parse_faults("kill:rank=1:step=7, nan:step=3:attempt=1,corrupt_checkpoint:step=9")
     assert [fault.kind for fault in faults] == ["kill", "nan", "corrupt_checkpoint"]
     assert faults[0].params == {"rank": 1.0, "step": 7.0}
     assert [fault.kind for fault in active_faults("kill:rank=1:step=7,nan:step=3:attempt=1", 1)] == ["nan"]
@@ -21,6 +22,7 @@ def test_parse_and_filter_by_attempt():
         ("explode:step=1", "unknown fault 'explode'"),
         ("kill:rank", "'rank' is not key=number"),
         ("kill:step=x", "'step=x' is not key=number"),
+        ("corrupt_checkpoint", "the step it happens at is missing"),
     ],
 )
 def test_bad_specs_are_named(spec, message):
@@ -34,6 +36,26 @@ def test_a_rank_takes_only_its_own_faults():
     assert FaultInjector(spec, rank=0, attempt=0).loss_scale(4) == 1.0
     assert [fault.kind for fault in FaultInjector(spec, rank=1, attempt=0).faults] == ["nan", "slow"]
     assert not FaultInjector(spec, rank=0, attempt=1)
+
+
+def test_a_corrupted_checkpoint_is_the_newest_committed_one_truncated_by_rank_0_as_its_step_begins(tmp_path):
+    """The fault happens in the job, when it is due; the driver's restart finds it done."""
+    shards = {}
+    for step in (4, 8):
+        location = tmp_path / f"step-{step:08d}"
+        location.mkdir()
+        (location / MANIFEST).write_text("{}")
+        shards[step] = location / "__0_0.distcp"
+        shards[step].write_bytes(bytes(100))
+    (tmp_path / "step-00000012").mkdir()  # not committed (no manifest): not a checkpoint yet
+    spec, root = "corrupt_checkpoint:step=9", str(tmp_path)
+    FaultInjector(spec, rank=1, attempt=0, checkpoints=root).before_step(9)  # another rank's fault
+    FaultInjector(spec, rank=0, attempt=0, checkpoints=root).before_step(8)  # not yet
+    assert [shards[step].stat().st_size for step in (4, 8)] == [100, 100]
+    FaultInjector(spec, rank=0, attempt=0, checkpoints=root).before_step(9)
+    assert [shards[step].stat().st_size for step in (4, 8)] == [100, 50]
+    FaultInjector(f"{spec}:rank=1", rank=1, attempt=0, checkpoints=root).before_step(9)
+    assert shards[8].stat().st_size == 25
 
 
 def test_a_slow_rank_works_on_rather_than_sleeps():
