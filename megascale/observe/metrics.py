@@ -11,10 +11,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from megascale.observe.wandb_sink import WandbSink
+
+class ScalarSink(Protocol):
+    """Where a step's numbers go besides the files (wandb_sink.py's WandbSink)."""
+
+    def write(self, step: int, numbers: dict[str, int | float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsWriter:
@@ -27,7 +32,7 @@ class MetricsWriter:
         jsonl: bool,
         tensorboard: bool,
         purge_step: int | None = None,
-        wandb: WandbSink | None = None,
+        wandb: ScalarSink | None = None,
     ):
         """`purge_step`: the first step this run will write; records from it on that an earlier run left
         (it went past its last checkpoint, or the directory was run afresh) are dropped first, so each
