@@ -57,7 +57,8 @@ def test_a_layout_that_does_not_fit_nproc_fails_before_starting_workers(tiny_cor
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: config: parallel pp x dp_replicate x tp = 2 does not divide the world size 3"
+        "error: config: parallel pp x dp_replicate x tp = 2 does not divide the world size 3; "
+        "valid parallel.tp: 1"
     ]
 
 

@@ -39,6 +39,47 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend  # the type of init_device_mesh's backend options
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _valid(key: str, degrees: list[int]) -> str:
+    """The end of a layout error: the degrees of `key` that would pass the rule it broke."""
+    return f"; valid {key}: {', '.join(map(str, degrees))}" if degrees else f"; no {key} fits"
+
+
+def _tp_fits(cfg: JobConfig, tp: int) -> bool:
+    """Whether tensor parallelism of degree `tp` divides what it shards (`_validate_tensor_parallel`)."""
+    model, attention = cfg.model, cfg.model.attention
+    sharded = [model.dim, attention.n_heads, attention.n_kv_heads, model.vocab_size]
+    if tp > 1 and model.position == "learned":
+        sharded.append(model.max_seq_len)
+    if tp > 1 and (cfg.parallel.sequence_parallel or cfg.parallel.moe_tp == "ep" and model.moe.experts):
+        sharded.append(cfg.data.seq_len)
+    return all(size % tp == 0 for size in sharded)
+
+
+def _fitting_degrees(cfg: JobConfig, world_size: int) -> str:
+    """For a pp x dp_replicate x tp that does not divide the world: each degree above 1 that would, the
+    others kept (tp only where it divides what it shards, pp only where each stage gets a layer)."""
+    par = cfg.parallel
+    degrees = {"pp": par.pp, "dp_replicate": par.dp_replicate, "tp": par.tp}
+    said = []
+    for name, value in degrees.items():
+        if value == 1:
+            continue
+        others = par.pp * par.dp_replicate * par.tp // value
+        fits = [
+            degree
+            for degree in _divisors(world_size)
+            if world_size % (others * degree) == 0
+            and (name != "tp" or _tp_fits(cfg, degree))
+            and (name != "pp" or degree * par.pp_virtual_stages <= cfg.model.n_layers)
+        ]
+        said.append(_valid(f"parallel.{name}", fits))
+    return "".join(said)
+
+
 @dataclass
 class ParallelDims:
     """Degrees of each parallelism (`world_size` is their product) and, once `build_mesh` has run, the
@@ -64,7 +105,11 @@ class ParallelDims:
         dp_shard = par.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
-                fail("parallel pp x dp_replicate x tp", fixed, f"does not divide the world size {world_size}")
+                fail(
+                    "parallel pp x dp_replicate x tp",
+                    fixed,
+                    f"does not divide the world size {world_size}" + _fitting_degrees(cfg, world_size),
+                )
             dp_shard = world_size // fixed
         dims = cls(
             pp=par.pp,
@@ -122,10 +167,16 @@ class ParallelDims:
     def validate(self, cfg: JobConfig, world_size: int) -> None:
         """Every layout rule, each failing with the field, its value and what would fit."""
         if self.world_size != world_size:
+            rest = self.pp * self.dp_replicate * self.tp
+            fix = (
+                f"; --parallel.dp_shard={world_size // rest} fits (or -1: the rest of the world)"
+                if world_size % rest == 0
+                else _fitting_degrees(cfg, world_size)
+            )
             raise ConfigError(
                 f"config: parallel layout pp x dp_replicate x dp_shard x tp = {self.pp} x "
                 f"{self.dp_replicate} x {self.dp_shard} x {self.tp} = {self.world_size} must equal the world "
-                f"size {world_size}"
+                f"size {world_size}{fix}"
             )
         self._validate_tensor_parallel(cfg)
         self._validate_expert_parallel(cfg)
@@ -133,6 +184,20 @@ class ParallelDims:
         self._validate_pipeline(cfg)
         self._validate_float8(cfg)
         self._validate_batch(cfg)
+
+    def _tp_choices(self, cfg: JobConfig) -> str:
+        """The tp degrees of this world size that divide what tensor parallelism shards."""
+        return _valid("parallel.tp", [tp for tp in _divisors(self.world_size) if _tp_fits(cfg, tp)])
+
+    def _ep_choices(self, experts: int) -> str:
+        """The ep degrees dividing dp_shard whose expert ranks (x tp, moe_tp = 'ep') divide the experts."""
+        over_tp = self.tp if self.experts_over_tp else 1
+        return _valid("parallel.ep", [ep for ep in _divisors(self.dp_shard) if experts % (ep * over_tp) == 0])
+
+    def _cp_choices(self, cfg: JobConfig) -> str:
+        """The cp degrees dividing dp_shard that split data.seq_len into 2 x cp equal chunks."""
+        seq_len = cfg.data.seq_len
+        return _valid("parallel.cp", [cp for cp in _divisors(self.dp_shard) if seq_len % (2 * cp) == 0])
 
     def _validate_tensor_parallel(self, cfg: JobConfig) -> None:
         """What tensor parallelism shards must divide by parallel.tp."""
@@ -145,19 +210,20 @@ class ParallelDims:
             ("model.vocab_size", model.vocab_size),
         ):
             if value % self.tp:
-                fail(key, value, f"is not divisible by parallel.tp = {self.tp}")
+                fail(key, value, f"is not divisible by parallel.tp = {self.tp}{self._tp_choices(cfg)}")
         if self.tp > 1 and model.position == "learned" and model.max_seq_len % self.tp:
             fail(
                 "model.max_seq_len",
                 model.max_seq_len,
                 f"is not divisible by parallel.tp = {self.tp} "
-                "(the learned position table is sharded like the embedding)",
+                f"(the learned position table is sharded like the embedding){self._tp_choices(cfg)}",
             )
         if self.tp > 1 and par.sequence_parallel and cfg.data.seq_len % self.tp:
             fail(
                 "data.seq_len",
                 cfg.data.seq_len,
-                f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)",
+                f"is not divisible by parallel.tp = {self.tp} (sequence parallelism shards the sequence)"
+                + self._tp_choices(cfg),
             )
         if self.tp > 1 and model.attention.qk_norm:
             fail(
@@ -184,7 +250,7 @@ class ParallelDims:
                 "data.seq_len",
                 cfg.data.seq_len,
                 f"is not divisible by parallel.tp = {self.tp} (parallel.moe_tp = 'ep' routes each tp "
-                "rank's part of the sequence)",
+                "rank's part of the sequence)" + self._tp_choices(cfg),
             )
         if self.expert_ranks == 1:
             return
@@ -195,13 +261,13 @@ class ParallelDims:
                 "parallel.ep",
                 self.ep,
                 f"does not divide parallel.dp_shard = {self.dp_shard} (the experts are split over dp_shard "
-                "ranks)",
+                f"ranks){self._ep_choices(experts)}",
             )
         over = f"parallel.ep = {self.ep}"
         if self.experts_over_tp:
             over = f"parallel.ep x tp = {self.expert_ranks}"
         if experts % self.expert_ranks:
-            fail("model.moe.experts", experts, f"is not divisible by {over}")
+            fail("model.moe.experts", experts, f"is not divisible by {over}{self._ep_choices(experts)}")
         if cfg.parallel.activation_checkpoint == "selective":
             fail(
                 "parallel.activation_checkpoint",
@@ -220,13 +286,14 @@ class ParallelDims:
                 "parallel.cp",
                 self.cp,
                 f"does not divide parallel.dp_shard = {self.dp_shard} (the sequence is split over dp_shard "
-                "ranks)",
+                f"ranks){self._cp_choices(cfg)}",
             )
         if cfg.data.seq_len % (2 * self.cp):
             fail(
                 "data.seq_len",
                 cfg.data.seq_len,
-                f"is not divisible by 2 x parallel.cp = {2 * self.cp} (each cp rank holds 2 equal chunks)",
+                f"is not divisible by 2 x parallel.cp = {2 * self.cp} (each cp rank holds 2 equal chunks)"
+                + self._cp_choices(cfg),
             )
         if model.position != "rope":
             fail(
@@ -249,11 +316,12 @@ class ParallelDims:
         model, par = cfg.model, cfg.parallel
         stages = self.pp * par.pp_virtual_stages
         if stages > model.n_layers:
+            fits = [pp for pp in _divisors(self.world_size) if pp * par.pp_virtual_stages <= model.n_layers]
             fail(
                 "parallel.pp",
                 self.pp,
                 f"x pp_virtual_stages = {par.pp_virtual_stages} gives {stages} "
-                f"stages, more than model.n_layers = {model.n_layers}",
+                f"stages, more than model.n_layers = {model.n_layers}" + _valid("parallel.pp", fits),
             )
         if self.pp > 1 and model.tie_embeddings:
             fail(

@@ -236,6 +236,48 @@ def test_bad_layouts_fail_with_one_clear_line(world, overrides, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "world, overrides, ending",
+    [
+        # SMALL: 4 heads, 2 key/value heads, so tp of 1 or 2
+        (8, ["--parallel.tp=3"], "does not divide the world size 8; valid parallel.tp: 1, 2"),
+        (
+            8,
+            ["--parallel.tp=3", "--parallel.pp=2"],
+            "= 6 does not divide the world size 8; no parallel.pp fits; valid parallel.tp: 1, 2",
+        ),
+        (4, ["--parallel.dp_shard=3"], "; --parallel.dp_shard=4 fits (or -1: the rest of the world)"),
+        (
+            6,
+            ["--parallel.dp_shard=3", "--parallel.tp=4"],
+            "= 12 must equal the world size 6; valid parallel.tp: 1, 2",
+        ),
+        (8, ["--parallel.tp=8"], "n_heads = 4 is not divisible by parallel.tp = 8; valid parallel.tp: 1, 2"),
+        (4, ["--model.moe.experts=4", "--parallel.ep=3"], "dp_shard ranks); valid parallel.ep: 1, 2, 4"),
+        (
+            4,
+            ["--model.moe.experts=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.moe_tp=ep"],
+            "is not divisible by parallel.ep x tp = 4; valid parallel.ep: 1",
+        ),
+        (4, ["--parallel.cp=3"], "dp_shard ranks); valid parallel.cp: 1, 2, 4"),
+        (
+            2,
+            ["--parallel.cp=2", "--data.seq_len=30", "--model.max_seq_len=30"],
+            "(each cp rank holds 2 equal chunks); valid parallel.cp: 1",
+        ),
+        (
+            8,
+            ["--parallel.pp=8", "--parallel.dp_shard=1"],
+            "than model.n_layers = 4; valid parallel.pp: 1, 2, 4",
+        ),
+    ],
+)
+def test_a_bad_degree_is_refused_with_the_degrees_that_would_fit(world, overrides, ending):
+    with pytest.raises(ConfigError) as err:
+        dims(world, *overrides)
+    assert str(err.value).endswith(ending)
+
+
 def test_one_micro_batch_is_singular_and_a_larger_global_batch_is_suggested_when_no_size_fits():
     with pytest.raises(ConfigError) as err:
         dims(2, "--parallel.pp=2", "--training.global_batch_size=1")
