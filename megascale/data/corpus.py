@@ -168,7 +168,8 @@ def open_corpus(source: str, jsonl_field: str = "text") -> Corpus:
         if not files:
             raise DataError(
                 f"data.source = {source!r} has no text files ({', '.join(sorted(TEXT_SUFFIXES))}"
-                "); point it at a directory of text or use a glob"
+                "); point it at a directory of text or use a glob, or name files for Hugging Face `datasets` "
+                "by their format: parquet:PATH, json:PATH (JSON Lines), arrow:PATH or hf-disk:DIR"
             )
         return FileCorpus("directory", safe_name(path.resolve().name), path, files)
     if path.suffix == ".jsonl":

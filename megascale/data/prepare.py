@@ -223,7 +223,8 @@ def _build(cfg: DataConfig, corpus: Corpus, target: Path, key: str, progress: bo
         if writer.num_documents == 0:
             raise DataError(
                 f"data.source = {cfg.source!r} has no readable documents ({skipped} skipped as "
-                "binary or not UTF-8); give text files"
+                "binary or not UTF-8); give text files, or files for Hugging Face `datasets` named by their "
+                "format: parquet:PATH, json:PATH (JSON Lines), arrow:PATH or hf-disk:DIR"
             )
         meta = {
             "format": FORMAT_NAME,

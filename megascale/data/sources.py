@@ -3,12 +3,16 @@
 A source is a local text source of corpus.py (`stdlib`, a directory, a glob, a `.jsonl` file, a prepared
 dataset, a Megatron pair) or files that Hugging Face `datasets` reads, named by a prefix: `parquet:PATH`,
 `json:PATH` (JSON Lines), `arrow:PATH` (each a path or a glob) or `hf-disk:DIR` (a folder written by
-`save_to_disk`). A mixture is several sources with weights, `SOURCE=WEIGHT` entries separated by commas or
-new lines. `datasets` is an optional dependency: it is imported only when such a source is read.
+`save_to_disk`). Without a prefix, a source whose files can only be meant for `datasets` is read so too
+(`Source.hf_kind`): a `.parquet` or `.arrow` file or glob, a glob of `.jsonl` files (one `.jsonl` file is read
+locally), a folder written by `save_to_disk`, and a folder whose data files are all of one of those formats,
+with no text files beside them. A mixture is several sources with weights, `SOURCE=WEIGHT` entries separated
+by commas or new lines. `datasets` is an optional dependency: it is imported only when such a source is read.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import math
@@ -19,9 +23,15 @@ from pathlib import Path
 from types import ModuleType
 
 from megascale.config import DataConfig, fail
+from megascale.data.corpus import TEXT_SUFFIXES
 from megascale.errors import DataError
 
 HF_KINDS = ("parquet", "json", "arrow", "hf-disk")
+# The file formats that say, without a prefix, that a source is for `datasets` (a single .jsonl file is the
+# local reader's), and the files that mark a `save_to_disk` folder.
+SUFFIX_KINDS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json"}
+SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json")
+PREPARED_MARKER = "meta.json"  # a dataset `megascale prepare` wrote (data/shards.py's META_FILE)
 DEFAULT_TEXT_FIELD = "text"
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _ENTRY_SEPARATORS = re.compile(r"[,\n]")
@@ -44,15 +54,54 @@ class Source:
 
     @property
     def hf_kind(self) -> str | None:
-        """'parquet', 'json', 'arrow' or 'hf-disk' for a source read by `datasets`, else None."""
-        kind, sep, _ = self.text.partition(":")
-        return kind if sep and kind in HF_KINDS else None
+        """'parquet', 'json', 'arrow' or 'hf-disk' for a source read by `datasets` (by its prefix, else by
+        what its files are), else None."""
+        return self._read_as[0] if self._read_as else None
 
     @property
     def path(self) -> str:
-        """The path or glob after the prefix, `~` expanded (the whole text for a local source)."""
-        rest = self.text.partition(":")[2] if self.hf_kind else self.text
-        return os.path.expanduser(rest.strip())
+        """The path or glob after the prefix, `~` expanded (the whole text for a local source; for a folder
+        of one format's files, a glob of them)."""
+        return self._read_as[1] if self._read_as else os.path.expanduser(self.text.strip())
+
+    @functools.cached_property
+    def _read_as(self) -> tuple[str, str] | None:
+        """(kind, path or glob) of a `datasets` source; None for a local one."""
+        kind, sep, rest = self.text.partition(":")
+        if sep and kind in HF_KINDS:
+            return kind, os.path.expanduser(rest.strip())
+        return None if self.text == "stdlib" else _kind_of_files(os.path.expanduser(self.text.strip()))
+
+
+def _kind_of_files(path: str) -> tuple[str, str] | None:
+    """What an unprefixed `path` is when only `datasets` can read it: a .parquet or .arrow file or glob, a
+    glob of .jsonl files, a `save_to_disk` folder, or a folder of one such format's files and no text
+    files (read as a recursive glob of them); None otherwise."""
+    suffix = os.path.splitext(path)[1].lower()
+    is_glob = bool(_GLOB_CHARS.search(path)) and not os.path.exists(path)
+    if suffix in SUFFIX_KINDS and (suffix != ".jsonl" or is_glob):
+        return SUFFIX_KINDS[suffix], path
+    if is_glob or not os.path.isdir(path) or os.path.isfile(os.path.join(path, PREPARED_MARKER)):
+        return None
+    if any(os.path.isfile(os.path.join(path, name)) for name in SAVED_MARKERS):
+        return "hf-disk", path
+    formats = set()
+    for _, dirnames, filenames in os.walk(path):
+        dirnames[:] = [
+            name for name in dirnames if not name.startswith(".")
+        ]  # hidden: as the globs leave them
+        for name in filenames:
+            file_suffix = os.path.splitext(name)[1].lower()
+            if name.startswith("."):
+                continue
+            if file_suffix in TEXT_SUFFIXES:
+                return None  # a folder of text, whatever else it holds
+            if file_suffix in SUFFIX_KINDS:
+                formats.add(file_suffix)
+    if len(formats) != 1:
+        return None
+    (only,) = formats
+    return SUFFIX_KINDS[only], os.path.join(path, "**", f"*{only}")
 
 
 def data_sources(cfg: DataConfig) -> list[Source]:

@@ -39,6 +39,26 @@ def test_parquet_files_are_prepared_into_shards_like_any_corpus(tmp_path, cfg_fo
     assert again == directory  # a cache hit: same files, same key
 
 
+def test_parquet_named_without_its_prefix_is_read_by_datasets(tmp_path, cfg_for):
+    """`--data.source=/path/file.parquet` once read the file as text, skipped it as binary and asked for text
+    files; a file, and a folder of them, are Parquet by their name."""
+    documents = make_documents(20)
+    first, second = write_parquet_parts(tmp_path / "pq", documents, parts=2)
+    one = prepare_dataset(cfg_for(first), progress=False)
+    assert sorted(shard_documents(one)) == sorted(documents[:10])
+    both = prepare_dataset(cfg_for(tmp_path / "pq"), progress=False)
+    assert sorted(shard_documents(both)) == sorted(documents)
+    assert json.loads((both / "meta.json").read_text())["source"]["kind"] == "hf-parquet"
+
+
+def test_a_source_with_nothing_readable_names_the_prefixes_of_datasets_formats(tmp_path, cfg_for):
+    (tmp_path / "table.feather").write_bytes(b"ARROW1\0\0")
+    with pytest.raises(DataError) as error:
+        prepare_dataset(cfg_for(tmp_path / "table.feather"), progress=False)
+    assert "has no readable documents (1 skipped as binary or not UTF-8)" in str(error.value)
+    assert str(error.value).endswith("parquet:PATH, json:PATH (JSON Lines), arrow:PATH or hf-disk:DIR")
+
+
 @pytest.mark.parametrize("kind", ["json", "arrow", "hf-disk"])
 def test_json_lines_arrow_files_and_saved_folders_give_the_same_documents(tmp_path, cfg_for, kind):
     documents = make_documents(30)

@@ -29,6 +29,43 @@ def test_a_prefix_names_a_datasets_source_and_anything_else_is_local():
         assert Source(local).path.endswith(local.rsplit("/", 1)[-1])
 
 
+def test_files_only_datasets_reads_are_its_without_a_prefix(tmp_path):
+    """A .parquet or .arrow file or glob, a glob of .jsonl files, a save_to_disk folder, and a folder of one
+    such format's files with no text beside them; a single .jsonl file stays the local reader's."""
+    assert (Source("/data/part-0.parquet").hf_kind, Source("/data/part-0.parquet").path) == (
+        "parquet",
+        "/data/part-0.parquet",
+    )
+    assert Source("/data/*.arrow").hf_kind == "arrow" and Source("/data/*.jsonl").hf_kind == "json"
+    assert Source("corpus.jsonl").hf_kind is None and Source("/data/notes.txt").hf_kind is None
+    for name in ("a.parquet", "sub/b.parquet", ".hidden/c.arrow"):
+        (tmp_path / "pq" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pq" / name).write_bytes(b"PAR1")
+    folder = Source(str(tmp_path / "pq"))
+    assert (folder.hf_kind, folder.path) == ("parquet", f"{tmp_path / 'pq'}/**/*.parquet")
+    assert hf_files(folder) == [tmp_path / "pq" / "a.parquet", tmp_path / "pq" / "sub" / "b.parquet"]
+    (tmp_path / "pq" / "sub" / "c.arrow").write_bytes(b"x")
+    assert Source(str(tmp_path / "pq")).hf_kind is None  # two formats: which one is meant is not clear
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.parquet").write_bytes(b"PAR1")
+    (tmp_path / "mixed" / "notes.md").write_text("text")
+    assert Source(str(tmp_path / "mixed")).hf_kind is None  # a folder of text, read as one
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_info.json").write_text("{}")
+    (tmp_path / "saved" / "data-00000-of-00001.arrow").write_bytes(b"x")
+    assert (Source(str(tmp_path / "saved")).hf_kind, Source(str(tmp_path / "saved")).path) == (
+        "hf-disk",
+        str(tmp_path / "saved"),
+    )
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    (tmp_path / "prepared" / "x.parquet").write_bytes(b"PAR1")
+    assert Source(str(tmp_path / "prepared")).hf_kind is None  # a prepared dataset is used as it is
+    assert (
+        Source(str(tmp_path / "pq" / "a.parquet")).where == f"data.source = '{tmp_path / 'pq' / 'a.parquet'}'"
+    )
+
+
 def test_a_mixture_is_sources_with_weights_by_commas_or_lines():
     cfg = DataConfig(mixture="parquet:/a/*.parquet=0.7, json:/b.jsonl = 0.3")
     assert [(s.text, s.weight, s.field) for s in data_sources(cfg)] == [
