@@ -16,17 +16,12 @@ from pathlib import Path
 
 import torch
 
-from megascale.checkpoint.checkpointer import (
-    MANIFEST,
-    list_checkpoints,
-    load_checkpoint,
-    read_manifest,
-    write_checkpoint,
-)
+from megascale.checkpoint.checkpointer import load_checkpoint, read_manifest, write_checkpoint
+from megascale.checkpoint.manifest import verified_checkpoint
 from megascale.checkpoint.stateful import ModelState
 from megascale.config import DataConfig, JobConfig, from_dict, to_toml
 from megascale.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
-from megascale.errors import CheckpointError, MegascaleError
+from megascale.errors import MegascaleError
 from megascale.models.hf import CONFIG_FILE, check_exportable, load_hf, save_hf
 from megascale.models.hf_tokenizer import save_hf_tokenizer
 from megascale.models.llama import Transformer
@@ -35,16 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(source: Path) -> str:
-    """A checkpoint directory itself, or the newest committed one of a run directory."""
-    if (source / MANIFEST).is_file():
-        return str(source)
-    checkpoints = list_checkpoints(str(source / "checkpoints"))
-    if not checkpoints:
-        raise CheckpointError(
-            f"convert: {source} is neither a checkpoint (no {MANIFEST}) nor a run "
-            f"directory with committed checkpoints"
-        )
-    return checkpoints[-1][1]
+    """A checkpoint directory itself, or the newest verified one of a run directory, verified as a resume
+    verifies it (`verified_checkpoint`)."""
+    return verified_checkpoint(str(source))
 
 
 @dataclasses.dataclass(frozen=True)

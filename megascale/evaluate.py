@@ -1,10 +1,11 @@
 """`megascale eval`: a checkpoint's loss, perplexity and bits per byte on a split of a dataset.
 
-The checkpoint of any layout is loaded into one process (`convert.load_trained`) and scored on the split
-of the run's dataset, or of another one given by `--data.*` overrides (its tokenizer must be the run's),
-over the same sequences the trainer validates on: the split's first `training.val_sequences` by default
-(`--sequences N` for more, 0 for the whole split), packed as in training, with the run's compute dtype. So
-on the run's own validation split the loss is the one the trainer logged at that step.
+The checkpoint of any layout is loaded into one process (`convert.load_trained`, which verifies it as
+`megascale generate` does) and scored on the split of the run's dataset, or of another one given by
+`--data.*` overrides (its tokenizer must be the run's), over the same sequences the trainer validates on:
+the split's first `training.val_sequences` by default (`--sequences N` for more, 0 for the whole split),
+packed as in training, with the run's compute dtype. So on the run's own validation split the loss is the
+one the trainer logged at that step.
 
 Bits per byte divide the summed loss (in bits) by the UTF-8 bytes of the tokens scored: a figure that
 does not depend on the tokenizer, which is what compares runs with different vocabularies. A token's

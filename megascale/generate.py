@@ -1,11 +1,15 @@
 """`megascale generate`: sample text from a checkpoint, to see what a run has learnt.
 
 The checkpoint of any layout is loaded into one process (`convert.load_trained`: DCP reshards on load) and
-its tokenizer reopened from the run's dataset (`run_tokenizer`). A prompt is a document's beginning, so it
-follows an end-of-document token as every document does in training. Each new token is drawn from the last
-position's logits: greedy at temperature 0, else softmax(logits / temperature) cut to the `top_k` most
-likely and to the smallest set whose probability reaches `top_p`, drawn with a generator seeded by `seed`,
-so one seed gives one text. Sampling stops at the end-of-document token or after `max_new_tokens`.
+its tokenizer reopened from the run's dataset (`run_tokenizer`). It is verified first, as a resume verifies
+it: a run directory's newest checkpoint whose files match their manifest's sizes and CRC-32s (a damaged
+newer one passed over with a warning), or the checkpoint named, refused in one line if it is damaged.
+
+A prompt is a document's beginning, so it follows an end-of-document token as every document does in
+training. Each new token is drawn from the last position's logits: greedy at temperature 0, else
+softmax(logits / temperature) cut to the `top_k` most likely and to the smallest set whose probability
+reaches `top_p`, drawn with a generator seeded by `seed`, so one seed gives one text. Sampling stops at
+the end-of-document token or after `max_new_tokens`.
 
 No KV cache: each token runs the model over the last `model.max_seq_len` tokens again (the model code is
 the training code, parallelism-free and cache-free), which is quick at the sizes a CPU trains and enough to

@@ -1,26 +1,32 @@
 """`megascale generate` and `megascale eval` on a checkpoint saved by dp2 x tp2, and the Hugging Face export's
 tokenizer: sampling is seeded and the same from the checkpoint and from its one-process reshard, eval's
 loss is the trainer's validation loss, and the exported folder generates from a text prompt in
-transformers as megascale does."""
+transformers as megascale does. Both verify the checkpoint they load as a resume does: past a damaged
+newest one to the previous one, with a warning; refused in one line when none is sound, or when the one
+named is damaged."""
 
 import io
 import json
+import logging
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from megascale.checkpoint.checkpointer import write_checkpoint
+from megascale.checkpoint.checkpointer import list_checkpoints, write_checkpoint
 from megascale.checkpoint.stateful import ModelState
 from megascale.cli import main
-from megascale.config import to_dict
+from megascale.config import load_config, to_dict
 from megascale.convert import load_trained
 from megascale.data.tokenizer import ByteTokenizer, train_bpe
 from megascale.errors import ConfigError
 from megascale.evaluate import evaluate, token_bytes
 from megascale.generate import generate, next_token, sample
 from megascale.observe.metrics import read_metrics
-from tests.conftest import train_processes
+from megascale.trainer import Trainer
+from tests.conftest import tiny_args, train_processes
 
 STEPS = 4
 
@@ -129,3 +135,70 @@ def test_generate_refuses_what_it_cannot_do(dp2_tp2_run, tmp_path):
     with pytest.raises(ConfigError, match="records no dataset .* --tokenizer"):
         generate(tmp_path / "imported", out=io.StringIO())
     assert generate(tmp_path / "imported", max_new_tokens=5, tokenizer="byte", out=io.StringIO()) is not None
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_corpus, tmp_path_factory):
+    """A tiny run of one process with checkpoints at steps 3 and 6."""
+    tmp_path = tmp_path_factory.mktemp("one")
+    logger = logging.getLogger("megascale")
+    handlers, propagate = list(logger.handlers), logger.propagate
+    Trainer(load_config(None, tiny_args(tiny_corpus, tmp_path / "run", tmp_path / "data"))).train()
+    for handler in set(logger.handlers) - set(handlers):  # the run's log: the tests' own records go to caplog
+        handler.close()
+    logger.handlers[:], logger.propagate = handlers, propagate
+    return tmp_path / "run"
+
+
+def _damage(checkpoint: str, how: str) -> None:
+    shard = next(path for path in Path(checkpoint).iterdir() if path.suffix == ".distcp")
+    content = shard.read_bytes()
+    middle = len(content) // 2
+    if how == "truncated":
+        shard.write_bytes(content[:middle])
+    else:  # one byte flipped: the size is right, the CRC-32 is not
+        shard.write_bytes(content[:middle] + bytes([content[middle] ^ 0xFF]) + content[middle + 1 :])
+
+
+COMMANDS = {
+    "generate": ["generate", "--max-new-tokens", "4", "--prompt", "def "],
+    "eval": ["eval", "--sequences", "2"],
+}
+
+
+@pytest.mark.parametrize("verb", COMMANDS)
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_one_line_warning(
+    one_process_run, tmp_path, caplog, verb, how
+):
+    run = Path(shutil.copytree(one_process_run, tmp_path / "run"))
+    (_, previous), (_, newest) = list_checkpoints(str(run / "checkpoints"))
+    _damage(newest, how)
+    with caplog.at_level(logging.WARNING, logger="megascale"):
+        assert main([COMMANDS[verb][0], str(run), *COMMANDS[verb][1:]]) == 0
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert f"step 6 at {newest} failed verification" in warnings[0]
+    assert warnings[0].endswith("; trying the previous one")
+    assert load_trained(run).checkpoint == previous
+
+
+@pytest.mark.parametrize("verb", COMMANDS)
+def test_a_run_with_no_sound_checkpoint_or_a_damaged_one_named_is_refused_in_one_line(
+    one_process_run, tmp_path, capfd, verb
+):
+    run = Path(shutil.copytree(one_process_run, tmp_path / "run"))
+    (_, previous), (_, newest) = list_checkpoints(str(run / "checkpoints"))
+    _damage(newest, "flipped")
+    assert main([COMMANDS[verb][0], newest, *COMMANDS[verb][1:]]) == 2
+    error = capfd.readouterr().err.strip()
+    assert error.count("\n") == 0
+    assert error.startswith(
+        f"error: checkpoint: {newest} failed verification (file __0_0.distcp fails its CRC"
+    )
+    _damage(previous, "truncated")
+    assert main([COMMANDS[verb][0], str(run), *COMMANDS[verb][1:]]) == 2
+    error = capfd.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(
+        f"error: checkpoint: every checkpoint under {run / 'checkpoints'} failed verification"
+    )

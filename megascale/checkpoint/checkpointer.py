@@ -43,6 +43,7 @@ from megascale.checkpoint.manifest import (
     commit,
     join,
     list_checkpoints,
+    newest_verified,
     prune,
     read_manifest,
     split_location,
@@ -50,7 +51,7 @@ from megascale.checkpoint.manifest import (
     verify,
 )
 from megascale.checkpoint.persist import PERSISTER, mark_ready, node_name, pending, persist, staging_root
-from megascale.checkpoint.resume import changes_since, check_resumable, init_from_path
+from megascale.checkpoint.resume import changes_since, check_resumable, data_reading_change, init_from_path
 from megascale.checkpoint.snapshot import SnapshotSlots, flatten, load_into, split_leaves
 from megascale.checkpoint.stateful import ModelState
 from megascale.config import JobConfig
@@ -464,19 +465,7 @@ class Checkpointer:
     def latest_verified(self) -> str | None:
         """The newest checkpoint whose files match their manifest, falling back past damaged ones with a
         warning. In a multi-process job rank 0 checks and every rank gets its answer."""
-        choice: list[str | None] = [None]
-        if _is_main():
-            for step, location in reversed(list_checkpoints(self.root)):
-                problem = verify(location)
-                if problem is None:
-                    choice[0] = location
-                    break
-                log.warning(
-                    "checkpoint: step %d at %s failed verification (%s); trying the previous one",
-                    step,
-                    location,
-                    problem,
-                )
+        choice: list[str | None] = [newest_verified(self.root) if _is_main() else None]
         if _distributed():
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
@@ -532,7 +521,15 @@ class Checkpointer:
         if location is None:
             self._start_afresh(state, cfg)
             return None
-        check_resumable(location, read_manifest(location), cfg)
+        manifest = read_manifest(location)
+        check_resumable(location, manifest, cfg)
+        if (data_change := data_reading_change(manifest, cfg)) is not None:
+            state = {part: value for part, value in state.items() if part != "data"}
+            log.warning(
+                "data: %s; the model, optimizer and schedule resume from step %s, the data at its beginning",
+                data_change,
+                manifest.get("step"),
+            )
         descriptor = self.load(location, state, replicas=replicas)
         saved_layout, step = descriptor.get("layout", "1 process"), descriptor.get("step")
         log.info(

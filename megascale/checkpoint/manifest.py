@@ -8,6 +8,7 @@ location is a path or an fsspec URL.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import zlib
@@ -17,6 +18,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from megascale.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STAGED_MANIFEST = f".{MANIFEST}.tmp"
@@ -102,6 +105,49 @@ def verify(location: str) -> str | None:
         if found["crc32"] != expected["crc32"]:
             return f"file {name} fails its CRC-32 check"
     return None
+
+
+def newest_verified(root: str) -> str | None:
+    """The newest committed checkpoint under `root` whose files match their manifest, or None; each newer
+    one that fails verification is passed over with a one-line warning."""
+    for step, location in reversed(list_checkpoints(root)):
+        problem = verify(location)
+        if problem is None:
+            return location
+        log.warning(
+            "checkpoint: step %d at %s failed verification (%s); trying the previous one",
+            step,
+            location,
+            problem,
+        )
+    return None
+
+
+def verified_checkpoint(source: str) -> str:
+    """The checkpoint a user named, verified as a resume verifies it: `source` itself when it is a
+    checkpoint (refused in one line, naming it, when it fails), else the newest verified checkpoint of the
+    run directory `source` (under its `checkpoints/`), falling back past damaged ones with a warning."""
+    fs, path = split_location(source)
+    if fs.isfile(join(path, MANIFEST)):
+        if (problem := verify(source)) is not None:
+            raise CheckpointError(
+                f"checkpoint: {source} failed verification ({problem}); name an earlier checkpoint of its "
+                "run, or the run directory to take its newest verified one"
+            )
+        return source
+    root = join(source, "checkpoints")
+    if not list_checkpoints(root):
+        raise CheckpointError(
+            f"checkpoint: {source} is neither a checkpoint (no {MANIFEST}) nor a run directory with "
+            "committed checkpoints"
+        )
+    location = newest_verified(root)
+    if location is None:
+        raise CheckpointError(
+            f"checkpoint: every checkpoint under {root} failed verification (see the warnings above); "
+            "name a checkpoint kept elsewhere, or train again"
+        )
+    return location
 
 
 def commit(location: str, descriptor: dict[str, Any], files: dict[str, dict[str, int]] | None = None) -> None:

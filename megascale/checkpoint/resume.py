@@ -7,6 +7,11 @@ values from the resumed step (a longer `training.steps` stretches the learning-r
 `optim.lr` rescales it). Two changes would be silently ignored, so they are refused instead: another
 `optim.name` (the checkpoint holds the other optimizer's state) and a `checkpoint.init_from` that the run
 resumed from never started from (it would resume the old run and drop the import).
+
+Another data source continues from the checkpoint's data position (prepared data: the sampler's position
+in the new order; streamed data: each source the checkpoint knows at its cursor, a new one at its
+beginning). Prepared token shards and streamed data keep different states, which do not translate: a run
+that switches `data.streaming` resumes everything but the data, which starts at its beginning, and says so.
 """
 
 from __future__ import annotations
@@ -99,6 +104,20 @@ def check_resumable(checkpoint: str, descriptor: dict[str, Any], cfg: JobConfig)
             f"already holds checkpoints (up to step {step}) of a run that did not start from it: they would "
             "be resumed and the import ignored; give this run a new --training.run_dir"
         )
+
+
+def data_reading_change(descriptor: dict[str, Any], cfg: JobConfig) -> str | None:
+    """In words, how the checkpoint's run read its data and how this run reads it, when the two keep
+    different data states (`data.streaming` differs); else None."""
+    saved = descriptor.get("config", {}).get("data", {})
+    if bool(saved.get("streaming", False)) == cfg.data.streaming:
+        return None
+    return f"the checkpoint's run {_data_reading(saved)}, this run {_data_reading(to_dict(cfg)['data'])}"
+
+
+def _data_reading(data: dict[str, Any]) -> str:
+    source = f"data.mixture {data['mixture']!r}" if data.get("mixture") else repr(data.get("source"))
+    return f"streams {source}" if data.get("streaming") else f"reads token shards of {source}"
 
 
 def changes_since(descriptor: dict[str, Any], cfg: JobConfig) -> list[str]:

@@ -99,7 +99,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_verified_one(tmp
         shard.write_bytes(content[:-100] + bytes([content[-100] ^ 0xFF]) + content[-99:])
     else:
         shard.unlink()
-    with caplog.at_level(logging.WARNING, logger="megascale.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="megascale.checkpoint"):
         assert saver.latest_verified() == first
     assert "step 2" in caplog.text and "failed verification" in caplog.text
     for name, value in restored(first).state_dict().items():

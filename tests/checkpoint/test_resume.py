@@ -12,6 +12,7 @@ from megascale.errors import CheckpointError, ConfigError
 from megascale.optim import lr_factor
 from megascale.trainer import Trainer
 from tests.conftest import tiny_args
+from tests.data.data_helpers import make_documents, write_parquet_parts
 from tests.parallel.multiprocess import run_ranks
 
 
@@ -147,3 +148,25 @@ def test_a_run_whose_checkpoints_were_all_deleted_refuses_to_start_over_unless_t
     Trainer(tiny_config("--checkpoint.resume=false")).close()
     Trainer(tiny_config("--training.steps=2")).train()  # started afresh, nothing committed since: no refusal
     assert list_checkpoints(str(tmp_path / "run" / "checkpoints"))[-1][0] == 2
+
+
+def test_a_run_that_switches_between_token_shards_and_streamed_data_resumes_with_the_data_at_its_start(
+    tiny_config, tiny_corpus, tmp_path
+):
+    """Prepared shards and a stream keep different data states: the model, optimizer and schedule resume,
+    the data starts at its beginning, and the log says so in one line; both ways."""
+    pytest.importorskip("datasets")
+    write_parquet_parts(tmp_path / "parquet", make_documents(300), parts=1)
+    parquet = f"parquet:{tmp_path}/parquet/*.parquet"
+    streamed = [f"--data.source={parquet}", "--data.streaming=true"]
+    Trainer(tiny_config("--training.steps=2")).train()
+    for steps, extra in ((4, streamed), (6, [])):
+        trainer = Trainer(tiny_config(f"--training.steps={steps}", *extra))
+        assert trainer.step == steps - 2
+        assert trainer.train_loader.state_dict()["consumed_sequences"] == 0
+        trainer.train()
+    log = (tmp_path / "run" / "train.log").read_text()
+    shards, stream = f"reads token shards of {str(tiny_corpus)!r}", f"streams {parquet!r}"
+    said = "the model, optimizer and schedule resume from step {}, the data at its beginning"
+    assert f"data: the checkpoint's run {shards}, this run {stream}; {said.format(2)}" in log
+    assert f"data: the checkpoint's run {stream}, this run {shards}; {said.format(4)}" in log
