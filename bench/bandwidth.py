@@ -67,8 +67,9 @@ from megascale.config import load_config  # noqa: E402
 from megascale.observe.cpu_load import CpuSampler  # noqa: E402
 from megascale.plan import profiles as plan_profiles  # noqa: E402
 from megascale.plan.hardware import HardwareProfile  # noqa: E402
-from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config  # noqa: E402
+from megascale.plan.job import Cluster, job_from_config, layout_from_config  # noqa: E402
 from megascale.plan.step import estimate_step  # noqa: E402
+from megascale.plan.systems import TRAINER  # noqa: E402
 
 WARM_UP_STEPS = 3
 NODE_OF_RANK = (0, 0, 1, 1)  # ranks fill nodes in order; tp is innermost, so a tp group is on one node
@@ -86,9 +87,7 @@ LAYOUTS = {
 }
 ALL_OVERLAPS_ON = [f"--parallel.overlap.{name}=true" for name in ("tp", "pp", "dp", "ep", "cp")]
 # The trainer as `megascale plan --system trainer` models it, and with the overlaps these runs have on.
-TRAINER_WITH_OVERLAPS = dataclasses.replace(
-    MEGASCALE_TRAINER, tp_overlap=True, pp_overlap=True, dp_overlap=True
-)
+TRAINER_WITH_OVERLAPS = dataclasses.replace(TRAINER, tp_overlap=True, pp_overlap=True, dp_overlap=True)
 
 
 def rate_bits_per_s(rate: str) -> float:
@@ -170,9 +169,9 @@ def predict(
     ("predicted_whole_core")."""
     core_share = len(os.sched_getaffinity(0)) / len(NODE_OF_RANK)
     variants = {
-        "predicted": (core_share, MEGASCALE_TRAINER),
+        "predicted": (core_share, TRAINER),
         "predicted_overlap": (core_share, TRAINER_WITH_OVERLAPS),
-        "predicted_whole_core": (1.0, MEGASCALE_TRAINER),
+        "predicted_whole_core": (1.0, TRAINER),
     }
     figures = {}
     for layout, job in jobs.items():

@@ -10,7 +10,8 @@ causal attention's, and an MoE layer's time against its expert GEMMs' at the pla
    `megascale.plan.compute` counts them (the two score matmuls over the keys a causal query sees, the
    backward twice the forward).
 3. MoE layers (megascale's `models/moe.py`, forward + backward), at the work one device does in the
-   layouts `plan/paper_moe.py` reproduces (Internal-352B: dim 4096, experts of 14336, top-3):
+   layouts of MegaScale-MoE's Table 3 (tests/plan/published/megascale-moe-table3.toml; Internal-352B:
+   dim 4096, experts of 14336, top-3):
    - `ep8`: one MegaScale-MoE rank's share, 1,024 tokens routed over its 4 experts (768 slots each);
    - `tp8`: one Megatron-LM tensor-parallel rank's, 8,192 tokens over 32 experts of 1,792 (1/8 each);
    for each: the whole layer (router, sort, gather, grouped GEMMs, scatter), its grouped GEMMs alone on

@@ -101,13 +101,14 @@ def predicted_bytes(overrides: list[str], offload: bool) -> float:
     what a step adds to what it starts with (the step's single micro-batch makes its gradients in its
     backward, `megascale.plan.memory.backward_moments`)."""
     from megascale.config import load_config
-    from megascale.plan.job import MEGASCALE_TRAINER, job_from_config, layout_from_config
+    from megascale.plan.job import job_from_config, layout_from_config
     from megascale.plan.memory import memory_per_device
+    from megascale.plan.systems import TRAINER
 
     flag = [f"--parallel.activation_offload={str(offload).lower()}"]
     cfg = load_config(CONFIG, [*COMMON, *overrides, *flag])
     job, layout = job_from_config(cfg), layout_from_config(cfg, 1)
-    memory = memory_per_device(job, layout, MEGASCALE_TRAINER, on_cpu=True)  # the trainer's blocks
+    memory = memory_per_device(job, layout, TRAINER, on_cpu=True)  # the trainer's blocks
     return memory.activations_bytes + memory.grads_bytes
 
 

@@ -35,8 +35,9 @@ from megascale.observe.cpu_load import CpuSampler, busy_fraction, cpu_times, lea
 from megascale.observe.metrics import read_metrics  # noqa: E402
 from megascale.observe.peak import calibrate  # noqa: E402
 from megascale.plan import profiles as plan_profiles  # noqa: E402
-from megascale.plan.job import MEGASCALE_TRAINER, Cluster, job_from_config, layout_from_config  # noqa: E402
+from megascale.plan.job import Cluster, job_from_config, layout_from_config  # noqa: E402
 from megascale.plan.step import estimate_step  # noqa: E402
+from megascale.plan.systems import TRAINER  # noqa: E402
 
 WARM_UP_STEPS = 2
 QUIET_STEAL = 0.05  # a run whose timed steps lost more than this to the hypervisor is replaced by another,
@@ -124,7 +125,7 @@ def main() -> int:
     for name, (nproc, layout_args) in layouts.items():
         cfg = load_config(None, layout_args)
         predicted_s = estimate_step(
-            job_from_config(cfg), layout_from_config(cfg, nproc), MEGASCALE_TRAINER, profile, Cluster(nproc)
+            job_from_config(cfg), layout_from_config(cfg, nproc), TRAINER, profile, Cluster(nproc)
         ).step_s
         measured_s = statistics.median(seconds for run, _ in runs[name] for seconds in run)
         figures |= {

@@ -2,10 +2,10 @@
 
 The job comes from a megascale config (`--config`, `--section.key=value` overrides; configs/paper-175b.toml
 and paper-530b.toml hold the paper's models), the cluster from `--hardware` and `--devices`, and the
-system from `--system`: the MegaScale paper's (every overlap and fused kernel of §3), Megatron-LM as the
-paper measured it, or this repository's trainer as it runs today. The output is the fastest layouts that
-fit in memory, with their step time, tokens/s, MFU, memory and where the time goes, the placement of the
-best one, and the config overrides that train it; `--explain` shows every term of the model.
+system from `--system` (`megascale.plan.systems`: MegaScale's, Megatron-LM as the paper measured it,
+Megatron-Core, DeepSpeed, torchtitan, llm-foundry, or this repository's trainer). The output is the fastest
+layouts that fit in memory, with their step time, tokens/s, MFU, memory and where the time goes, the
+placement of the best one, and the config overrides that train it; `--explain` shows every term.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from megascale.errors import ConfigError
 # Kept here (not imported from hardware.py) so that building the CLI's parser does not import torch; a test
 # checks they match the profiles table.
 HARDWARE = ("v100", "a100", "h100", "h800", "h200", "b200", "gb200", "cpu")
-SYSTEM_NAMES = ("megascale", "megatron-lm", "trainer")
+SYSTEM_NAMES = (
+    "megascale",
+    "megatron-lm",
+    "megatron-core",
+    "deepspeed",
+    "torchtitan",
+    "llm-foundry",
+    "trainer",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--system",
         choices=SYSTEM_NAMES,
-        help="Which optimisations run: 'megascale' (the paper's overlaps, fused kernels, async data), "
-        "'megatron-lm' (none, as the paper's baseline), 'trainer' (this repository's trainer today). "
+        help="Which system runs the job, as the planner knows it (docs/planning.md, 'Systems'): 'megascale' "
+        "(the paper's overlaps, fused kernels, async data), 'megatron-lm' (the paper's baseline), "
+        "'megatron-core', 'deepspeed' (Megatron-DeepSpeed), 'torchtitan' (FSDP2, TP, PP, CP), "
+        "'llm-foundry' (FSDP alone), 'trainer' (this repository's trainer today). "
         "Default: trainer on --hardware cpu, megascale otherwise.",
     )
     parser.add_argument("--batch", type=int, help="Global batch in sequences (default: the config's).")

@@ -33,7 +33,10 @@ on a GPU launches run ahead of the device and cost nothing here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import torch
 
 from megascale.config import ModelConfig, head_dim_of
 from megascale.models.feed_forward import ffn_dim_of
@@ -41,46 +44,48 @@ from megascale.plan.experts import MoEWork
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Job, Layout
 
-# Passes over a hidden-size vector per token per block, forward + backward, by element-wise kernels
-# (LayerNorm, bias + GeLU on the 4x-wide MLP activations, bias-dropout-add twice, their gradients).
+# Passes over a hidden-size vector per token per block, forward + backward, by element-wise kernels, counted
+# from Megatron-LM's GPT block (LayerNorm, bias + GeLU on the 4x-wide MLP activations, bias-dropout-add
+# twice, their gradients: https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/legacy/model/
+# transformer.py); fusing LayerNorm and GeLU with their neighbours (MegaScale, arXiv:2402.15627 §3.3) halves
+# them.
 ELEMENTWISE_PASSES_UNFUSED = 72
 ELEMENTWISE_PASSES_FUSED = 36
 # The share of those passes over the MLP's 4x-wide activations (bias + GeLU and its gradient), which
 # tensor parallelism splits with the MLP's columns; the rest, over hidden-size vectors (the LayerNorms and
-# bias-dropout-adds), every tp rank repeats unless sequence parallelism splits them too. Counting elements
-# read and written a token: unfused, bias + GeLU moves 32 hidden-sizes of the block's 62 (bias add and
-# GeLU forward, 16; their backward with the bias gradient, 16); fused, 20 of 40.
+# bias-dropout-adds), every tp rank repeats unless sequence parallelism splits them too (Korthikanti et
+# al. 2022, arXiv:2205.05198 §4.2.2). Counting elements read and written a token in the same block:
+# unfused, bias + GeLU moves 32 hidden-sizes of the block's 62; fused, 20 of 40.
 ELEMENTWISE_MLP_SHARE = 0.5
 # Bytes one element moves through memory, forward + backward, in each operator torch's eager mode runs for
-# a block with 2-byte activations, counted by the operator's reads and writes (forward + backward):
+# a torchtitan Llama block with 2-byte activations, counted by the operators' reads and writes in its model
+# (https://github.com/pytorch/torchtitan/blob/main/torchtitan/models/llama/model.py, December 2024):
 # RMSNorm as composite float32 operators (upcast, square, mean, scaling by the reciprocal root, downcast,
-# gain), per element of the hidden size.
+# gain) and LayerNorm, one native kernel each way, per element of the hidden size; RoPE as a complex
+# multiply in float32 (upcast, multiply, downcast) per query and key element; SwiGLU's SiLU and product, or
+# GeLU, per element of the ffn width; two residual adds, and in the backward the sum of the gradients where
+# the stream forks, per element of the hidden size; the attention's output laid back out as [tokens,
+# heads x head size], per query element.
 EAGER_RMSNORM_BYTES = 36 + 70
-# LayerNorm, one native kernel each way, per element of the hidden size.
 EAGER_LAYERNORM_BYTES = 4 + 8
-# RoPE as a complex multiply in float32 (upcast, multiply, downcast), per query and key element.
 EAGER_ROPE_BYTES = 20 + 20
-# SwiGLU's SiLU and product, per element of the ffn width.
 EAGER_SWIGLU_BYTES = 10 + 16
-# GeLU, per element of the ffn width.
 EAGER_GELU_BYTES = 4 + 6
-# Two residual adds, and in the backward the sum of the gradients where the stream forks, per element of
-# the hidden size.
 EAGER_RESIDUAL_BYTES = 2 * (6 + 6)
-# The attention's output laid back out as [tokens, heads x head size], per query element.
 EAGER_ATTENTION_OUTPUT_BYTES = 4 + 4
-# FlashAttention-2 is "around 2x faster than FlashAttention" (Dao 2023, arXiv 2307.08691, abstract).
+# FlashAttention-2 is "around 2x faster than FlashAttention" (Dao 2023, arXiv:2307.08691, abstract).
 FLASH_ATTENTION_1_SPEED = 0.5
-# Bytes moved per element of a materialised [heads, s, s] score square at 2-byte activations (Megatron-LM's
-# fused scale-mask-softmax, then dropout): forward, the scores written (2), read and the probabilities
-# written by the softmax (4), read and written by the dropout with its 1-byte mask (5), read by the second
-# matmul (2); backward, the probabilities' gradient written (2) and the probabilities read for the values'
-# gradient (2), the dropout's backward (5), the softmax's (6), the scores' gradient read by the two matmuls
-# (4). The square kept for the backward is Korthikanti et al.'s 5 a s^2 b bytes per layer (2022, Eq. 1).
+# Bytes moved per element of a materialised [heads, s, s] score square at 2-byte activations, counted from
+# Megatron-LM's fused scale-mask-softmax and dropout (https://github.com/NVIDIA/Megatron-LM/blob/main/
+# megatron/legacy/model/transformer.py, CoreAttention): forward, the scores written (2), read and the
+# probabilities written by the softmax (4), read and written by the dropout with its 1-byte mask (5), read
+# by the second matmul (2); backward, the probabilities' gradient written (2) and the probabilities read
+# for the values' gradient (2), the dropout's backward (5), the softmax's (6), the scores' gradient read by
+# the two matmuls (4). The square kept is Korthikanti et al.'s 5 a s^2 b bytes a layer (arXiv:2205.05198,
+# Eq. 1). Of those, the dropout's each way (read 2, written 2, its mask 1): a model without dropout
+# (`Job.dropout`) moves none of it.
 MATERIALIZED_BYTES_FORWARD = 13
 MATERIALIZED_BYTES_BACKWARD = 19
-# Of those, the dropout's each way (read 2, written 2, its mask 1): a model without dropout (`Job.dropout`)
-# moves none of it.
 DROPOUT_SCORE_BYTES = 5
 
 
@@ -99,14 +104,18 @@ class BlockTime:
         return self.gemm_s + self.attention_s + self.elementwise_s + self.host_s + self.recompute_s
 
 
-# Bytes of an element a GEMM reads (its output is written at 2 bytes when its inputs are float8).
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+@functools.cache
+def element_bytes(dtype: str) -> int:
+    """Bytes of an element of `dtype` ("float8": torch's float8_e4m3fn)."""
+    return torch.empty(
+        (), dtype=getattr(torch, "float8_e4m3fn" if dtype == "float8" else dtype)
+    ).element_size()
 
 
 def gemm_seconds(m: float, k: float, n: float, profile: HardwareProfile, dtype: str) -> float:
-    """One [m, k] x [k, n] GEMM on the roofline: its FLOPs or its bytes, whichever takes longer, plus the
-    launch and tail every kernel pays."""
-    rate, element = gemm_rate(profile, dtype), ELEMENT_BYTES[dtype]
+    """One [m, k] x [k, n] GEMM on the roofline: its FLOPs or its bytes, whichever takes longer (a float8
+    GEMM writes its output at 2 bytes), plus the launch and tail every kernel pays."""
+    rate, element = gemm_rate(profile, dtype), element_bytes(dtype)
     memory_s = ((m * k + k * n) * element + m * n * max(element, 2)) / profile.hbm_bytes_per_s
     return max(2 * m * k * n / rate, memory_s) + profile.gemm_half_flops / rate
 
@@ -209,7 +218,7 @@ def block_time(
         host_s += profile.tp_layer_overhead_s + profile.tp_layer_overhead_s_per_byte * activations
     host_s += profile.dp_layer_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0
     # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
-    # Full recomputation redoes the forward of the share of blocks that recompute (`recompute_blocks`).
+    # Full recomputation redoes the forward.
     recomputed = layout.recomputed_share(job)
     recompute_s = ((gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s) * recomputed
     if layout.recompute == "selective" and kernel == "materialized":
@@ -236,16 +245,15 @@ def eager_elementwise_bytes(model: ModelConfig, tp: int, shard: int) -> float:
     return hidden + (rope + EAGER_ATTENTION_OUTPUT_BYTES * queries + mlp) / tp
 
 
-# Bytes of memory traffic a float8 linear layer (torchao's Float8Linear, dynamic per-tensor scaling) moves
-# per element of its input: cast in the forward (an amax pass reads the 2-byte element, the cast reads it
-# again and writes 1 byte) and again in the backward, for the weight-gradient GEMM's other layout (the
-# layer keeps its input in bf16).
+# Bytes of memory traffic a float8 linear layer moves, counted from torchao's Float8Linear with dynamic
+# per-tensor scaling (https://github.com/pytorch/ao/blob/main/torchao/float8/float8_linear.py): per element
+# of its input, cast in the forward (an amax pass reads the 2-byte element, the cast reads it again and
+# writes 1 byte) and again in the backward for the weight-gradient GEMM's other layout (the layer keeps its
+# input in bf16); per element of its output gradient, one amax pass, then a cast for each backward GEMM's
+# layout; per element of its weight, each micro-batch, cast in the forward and again in the backward from
+# a 2-byte copy (FSDP's bf16 gather; with the float8 all-gather, each rank's shard before each gather).
 FLOAT8_INPUT_CAST_BYTES = 2 * (2 + 2 + 1)
-# ... per element of its output gradient: one amax pass, then a cast for each backward GEMM's layout.
 FLOAT8_GRAD_CAST_BYTES = 2 + 2 * (2 + 1)
-# ... per element of its weight, each micro-batch: cast in the forward and again in the backward, from a
-# 2-byte copy (FSDP's bf16 gather; a float32 weight cast directly moves 4 more bytes a pass); with the
-# float8 all-gather, each rank's shard before each of the micro-batch's two gathers instead.
 FLOAT8_WEIGHT_CAST_BYTES = 2 * (2 + 2 + 1)
 
 

@@ -1,22 +1,28 @@
-"""Every named constant of the cost model with the comment that gives its source, for `plan --explain`.
+"""Every named constant of the planner with the comment that cites its source, for `plan --explain`.
 
-They are read from the modules that define them (module-level UPPER_CASE numbers, tuples and dicts of
-numbers, with the comment above or beside each), so a constant added to the model is listed without being
-registered twice, and `tests/plan/test_constants.py` fails on one that has no source.
+Read from the modules that define them: each module-level assignment (and each default of `Features`) whose
+value is written with a number other than 0, with the comment above or beside it (constants defined one
+after another under one comment share it). A value derived from other code (`OverlapConfig().tp_chunks`)
+is not a constant. `tests/plan/test_constants.py` fails on one whose comment matches no `CITATION`.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
-from dataclasses import dataclass, fields
-from types import ModuleType
+import pkgutil
+import re
+from dataclasses import dataclass
 
-from megascale.plan import comm, compute, context, experts, memory, search, step
-from megascale.plan.hardware import HardwareProfile
+import megascale.plan
 
-# The modules whose constants price a step or bound the search.
-MODEL_MODULES: tuple[ModuleType, ...] = (compute, step, comm, context, experts, memory, search)
+# What a source looks like: an arXiv id, a URL, a vendor's datasheet or product brief, or a measurement or
+# code of this repository (a section of docs/, the bench that measures it, the module that does it).
+CITATION = re.compile(
+    r"arXiv:\d{4}\.\d{4,5}|https?://\S+|NVIDIA [\w -]+ (?:datasheet|product brief)"
+    r"|docs/[\w-]+\.md#[\w-]+|bench/\w+\.py|megascale/[\w/]+\.py"
+)
 
 
 @dataclass(frozen=True)
@@ -29,74 +35,61 @@ class Constant:
     source: str
 
 
-def _numeric(value: object) -> bool:
-    if isinstance(value, bool):
+def _literal(node: ast.AST | None) -> bool:
+    """Whether an expression is written with a number other than 0 (an index into another name's value
+    does not count)."""
+    if node is None or isinstance(node, ast.Subscript):
         return False
-    if isinstance(value, int | float):
-        return True
-    if isinstance(value, tuple):
-        return all(_numeric(item) for item in value)
-    if isinstance(value, dict):
-        return all(_numeric(item) for item in value.values())
-    return False
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float) and node.value != 0
+    return any(_literal(child) for child in ast.iter_child_nodes(node))
 
 
 def _comment(lines: list[str], index: int) -> str:
-    """The comment beside line `index`, else the comment block above it and the definitions right
-    above it that share that block (a pair of constants under one comment)."""
+    """The comment beside line `index`, else the comment block above it and above the assignments right
+    above it that share that block."""
     if "  # " in lines[index]:
         return lines[index].split("  # ", 1)[1].strip()
     above: list[str] = []
-    index -= 1
-    while index >= 0 and lines[index].strip():
-        line = lines[index].strip()
+    while (index := index - 1) >= 0 and (line := lines[index].strip()):
         if line.startswith("#"):
             above.insert(0, line[1:].strip())
-        elif above or not _defines(line):
+        elif above or not re.match(r"[A-Za-z_]\w*(: [^=]+)? = ", line):
             break
-        index -= 1
     return " ".join(above)
 
 
-def _defines(line: str) -> bool:
-    """Whether a line assigns or declares a name (`NAME = ...`, `name: type`)."""
-    head = line.split("=", 1)[0].split(":", 1)[0].strip()
-    return head.isidentifier() and ("=" in line or ":" in line)
+def _assignments(body: list[ast.stmt]) -> list[tuple[str, ast.AST | None, int]]:
+    found: list[tuple[str, ast.AST | None, int]] = []
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            found.append((node.targets[0].id, node.value, node.lineno - 1))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.append((node.target.id, node.value, node.lineno - 1))
+    return found
 
 
-def module_constants(module: ModuleType) -> list[Constant]:
-    """`module`'s public numeric constants, in the order it defines them."""
+def module_constants(name: str) -> list[Constant]:
+    """The constants of `megascale.plan.<name>`, in the order it defines them."""
+    module = importlib.import_module(f"megascale.plan.{name}")
     source = inspect.getsource(module)
-    lines = source.splitlines()
-    found = []
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.Assign | ast.AnnAssign):
-            continue
-        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-            if isinstance(target, ast.Name) and target.id.isupper() and not target.id.startswith("_"):
-                value = getattr(module, target.id)
-                if _numeric(value):
-                    short = module.__name__.rsplit(".", 1)[-1]
-                    found.append(Constant(short, target.id, value, _comment(lines, node.lineno - 1)))
+    lines, tree = source.splitlines(), ast.parse(source)
+    found = [
+        Constant(name, target, getattr(module, target), _comment(lines, line))
+        for target, value, line in _assignments(tree.body)
+        if _literal(value)
+    ]
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Features":
+            found += [
+                Constant(name, f"Features.{target}", ast.literal_eval(value), _comment(lines, line))
+                for target, value, line in _assignments(node.body)
+                if _literal(value) and value is not None
+            ]
     return found
 
 
 def model_constants() -> list[Constant]:
-    """Every constant of the cost model's modules."""
-    return [constant for module in MODEL_MODULES for constant in module_constants(module)]
-
-
-def profile_constants(profile: HardwareProfile) -> list[Constant]:
-    """A hardware profile's numbers, each with the comment its field carries in `HardwareProfile` (the
-    datasheet figures are sourced by the profile's `source`)."""
-    lines = inspect.getsource(HardwareProfile).splitlines()
-    described = {
-        line.strip().split(":", 1)[0]: _comment(lines, index)
-        for index, line in enumerate(lines)
-        if _defines(line.strip())
-    }
-    return [
-        Constant("profile", field.name, value, described.get(field.name) or f"datasheet: {profile.source}")
-        for field in fields(profile)
-        if _numeric(value := getattr(profile, field.name))
-    ]
+    """Every constant of every module of the planner."""
+    names = [info.name for info in pkgutil.iter_modules(megascale.plan.__path__)]
+    return [constant for name in names for constant in module_constants(name)]

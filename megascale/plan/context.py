@@ -26,7 +26,8 @@ from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Features, Job, Layout
 
 # Ring messages a rank holds at its peak, in the backward: the keys and values it holds and those arriving,
-# and their gradients held and arriving (`megascale.parallel.context._ring_backward`).
+# and their gradients held and arriving, counted from megascale's ring (megascale/parallel/context.py,
+# `_ring_backward`).
 RING_BUFFERS = 4
 
 

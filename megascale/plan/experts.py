@@ -35,15 +35,16 @@ import functools
 import math
 from dataclasses import dataclass
 
-from megascale.config import ModelConfig
+from megascale.config import ModelConfig, OverlapConfig
 from megascale.models.flops import expert_params
 from megascale.models.moe import expert_dim_of
 from megascale.plan.comm import all_to_all_seconds
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import RECOMPUTES, Job, Layout
 
-# Chunks an overlapped all-to-all is cut into; the first one's transfer is always exposed.
-EP_OVERLAP_CHUNKS = 4
+# Chunks an overlapped all-to-all is cut into, as megascale's tensor-parallel overlap cuts its collectives
+# (`parallel.overlap.tp_chunks`); the first one's transfer is always exposed.
+EP_OVERLAP_CHUNKS = OverlapConfig().tp_chunks
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,6 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
     model = job.model
     if layout.recompute not in RECOMPUTES:
         return f"recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTES)}"
-    if layout.recompute_blocks and (layout.recompute != "full" or layout.offload or is_moe(model)):
-        return "recompute_blocks counts the dense blocks of a chunk that recompute 'full', without offload"
-    if layout.offload_blocks and not layout.offload:
-        return "offload_blocks counts the blocks of a chunk that offload: it needs offload"
     if layout.recompute == "op" and (is_moe(model) or layout.attention == "sp"):
         return "recompute 'op' (torchtitan's selective op checkpointing) is modelled for dense blocks only"
     if layout.moe_tp not in ("split", "whole", "ep"):

@@ -7,6 +7,7 @@ reads a layout from a megascale job config, so a planned layout and a trained on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megascale.config import JobConfig, ModelConfig
@@ -30,19 +31,17 @@ class Precision:
         return self.gathered_block_bytes or self.weight_bytes
 
 
-# Megatron-LM mixed precision: bf16 weights, fp32 main gradients, fp32 master weights + Adam moments.
+# Mixed precision as Megatron-LM keeps it: bf16 weights, fp32 main gradients (grad_reduce_in_fp32,
+# https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/distributed/distributed_data_parallel_config.py),
+# fp32 master weights and Adam's two moments, 12 bytes a parameter (ZeRO, arXiv:1910.02054 §3.1).
 MIXED_BF16 = Precision(weight_bytes=2, grad_bytes=4, optimizer_bytes=12, activation_bytes=2)
-# megascale: fp32 weights and optimizer state, fp32 compute or bf16 autocast (training.dtype); under bf16
-# its FSDP gathers bf16 copies of the blocks' weights (parallel/data.py), the rest of the model in fp32.
+# megascale: fp32 weights and AdamW's two fp32 moments, fp32 compute or bf16 autocast (training.dtype);
+# under bf16 its FSDP gathers bf16 copies of the blocks' weights, the rest in fp32, and with
+# training.fp8_all_gather the blocks' float8 linear layers a byte an element, their norms counted with them
+# (megascale/parallel/data.py, megascale/parallel/float8.py).
 FP32_WEIGHTS = Precision(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
-FP32_WEIGHTS_BF16_GATHERS = Precision(
-    weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, gathered_block_bytes=2
-)
-# ... and with training.fp8_all_gather the blocks' float8 linear layers gathered a byte an element (their
-# norms, a sliver of a block, counted with them).
-FP32_WEIGHTS_FP8_GATHERS = Precision(
-    weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, gathered_block_bytes=1
-)
+FP32_WEIGHTS_BF16_GATHERS = dataclasses.replace(FP32_WEIGHTS, gathered_block_bytes=2)
+FP32_WEIGHTS_FP8_GATHERS = dataclasses.replace(FP32_WEIGHTS, gathered_block_bytes=1)
 
 
 @dataclass(frozen=True)
@@ -127,12 +126,6 @@ class Layout:
     # what it keeps off the device until its backward, which fetches it back (one block ahead on an
     # accelerator; on a CPU when autograd asks for it).
     offload: bool = False
-    # With recompute "full": how many blocks of each model chunk recompute, the first ones, the rest
-    # keeping all they make (Megatron-LM's --recompute-method block --recompute-num-layers); 0: every block.
-    recompute_blocks: int = 0
-    # With offload: how many blocks of each model chunk offload, the first ones (Megatron-Core's
-    # --cpu-offloading-num-layers); 0: every block but the chunk's last (megascale's).
-    offload_blocks: int = 0
 
     @property
     def devices(self) -> int:
@@ -150,14 +143,10 @@ class Layout:
 
     def recomputed_share(self, job: Job) -> float:
         """The share of the blocks whose forward the backward runs again whole (full recomputation)."""
-        if self.recompute != "full":
-            return 0.0
-        chunk_blocks = job.model.n_layers / (self.pp * self.virtual_stages)
-        return min(1.0, self.recompute_blocks / chunk_blocks) if self.recompute_blocks else 1.0
+        return 1.0 if self.recompute == "full" else 0.0
 
     def forward_passes(self, job: Job) -> float:
-        """Forward passes a block runs a step on average: its own, and again in the backward for the share
-        of the blocks that recompute (`recomputed_share`)."""
+        """Forward passes a block runs a step: its own, and again in the backward under full recomputation."""
         return 1 + self.recomputed_share(job)
 
     def local_seq_len(self, job: Job) -> int:
@@ -181,10 +170,8 @@ class Layout:
         return (
             f"tp{self.tp}{sp} pp{self.pp}{chunks} dp{self.dp}{context}{experts} mb{self.micro_batch} "
             f"zero{self.zero_stage} recompute={self.recompute}"
-            + (f"({self.recompute_blocks} a chunk)" if self.recompute_blocks else "")
             + (" split=params" if self.pp > 1 and self.stage_split == "params" else "")
             + (" offload" if self.offload else "")
-            + (f"({self.offload_blocks} a chunk)" if self.offload_blocks else "")
         )
 
 
@@ -198,13 +185,9 @@ class Features:
     # (Megatron-LM from September 2021, LinearWithGradAccumulationAndAsyncCommunication).
     tp_backward_overlap: bool = False
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
-    # How a blocking pipeline exchanges with a neighbour: "paired", each send beside the receive it waits
-    # for in one batch (Megatron-LM's batch_isend_irecv), or "each", every send and receive its own
-    # blocking call (DeepSpeed's pipeline engine: deepspeed/runtime/pipe/p2p.py refuses async_op).
-    pp_exchange: str = "paired"
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
     # Whether that overlap holds with a pipeline too: Megatron-LM in 2021-2022 ran torch's DDP, whose
-    # buckets reduce behind the last micro-batch's backward, only without one (systems.MEGATRON_2021).
+    # buckets reduce behind the last micro-batch's backward, only without one (SC'21's scripts).
     dp_overlap_pipelined: bool = True
     # The device's fastest fused attention (FlashAttention-2 on Ampere, §3.3), fused LayerNorm and GeLU.
     fused_kernels: bool = False
@@ -236,19 +219,19 @@ class Features:
     # weighted_bias_swiglu_impl in moe/experts.py), or multiply the experts' outputs (megascale's layer).
     moe_weighted_activation: bool = False
     dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
-    zero_stages: tuple[int, ...] = (2, 3)  # what the system's data parallelism can shard (searched)
+    # What the system's data parallelism can shard (searched): FSDP's ZeRO-3 and ZeRO-2
+    # (reshard_after_forward, https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+    zero_stages: tuple[int, ...] = (2, 3)
     model_parallel: bool = True  # whether the system splits the model (TP, PP); FSDP-only ones do not
     # Whether the system splits the sequence over the tp ranks outside the tensor-parallel layers
     # (Megatron-LM from 2022, Korthikanti et al.), and the activation recomputation it offers (searched).
     sequence_parallel: bool = True
     recomputes: tuple[str, ...] = ("none", "selective", "full")
-    # Whether full recomputation can be kept to some blocks of each chunk (`Layout.recompute_blocks`:
-    # Megatron-LM's --recompute-method block, from 2022); the search then tries the fewest that fit.
-    partial_recompute: bool = False
     # Without sequence parallelism each tp rank sends only its slice of a pipeline transfer (Megatron-LM's
     # scatter/gather); megascale's trainer sends the whole tensor from each.
     pp_scatter_gather: bool = True
-    host_overhead_s: float = 0.0  # per-step host work that stalls the devices (data, GC; §3.4, §6.3)
+    # Per-step host work that stalls the devices (data loading, GC: MegaScale, arXiv:2402.15627 §3.4, §6.3).
+    host_overhead_s: float = 0.0
     # How a dense block's activations are counted: as Korthikanti et al. count them, for the block's shape
     # (`megascale.plan.memory.block_bytes_per_token`), or as megascale's own model saves them.
     own_blocks: bool = False
@@ -257,28 +240,22 @@ class Features:
     uneven_stages: bool = False
     # The fewest pipeline stages the system interleaves model chunks over (None: it has no interleaved
     # schedule, as DeepSpeed's pipeline engine). Megatron-LM refused virtual stages unless pp > 2
-    # (megatron/core/parallel_state.py) until Megatron-Core 0.8 (`systems.MEGATRON_CORE`); torch's
-    # pipelining, megascale's trainer, interleaves two.
+    # (https://github.com/NVIDIA/Megatron-LM/blob/core_r0.7.0/megatron/core/parallel_state.py) until
+    # Megatron-Core 0.8; torch's pipelining, megascale's trainer, interleaves two.
     interleaved_min_pp: int | None = 3
     # Whether gradients are allocated as the backward makes them (autograd's, FSDP's) rather than held in a
     # buffer through the step (Megatron-LM's and DeepSpeed's contiguous gradient buffers): a step of one
     # micro-batch without a pipeline then peaks below its activations plus every gradient.
     grads_as_made: bool = False
-    # Bytes the loss keeps per logit at its peak: float32 logits and their gradient (Megatron-LM's
-    # vocab-parallel cross entropy over the logits cast to float32, torch's over float32 logits), or a
+    # Bytes the loss keeps per logit at its peak: float32 logits and their gradient, 4 + 4 (Megatron-LM's
+    # vocab-parallel cross entropy casts the logits to float32: https://github.com/NVIDIA/Megatron-LM/blob/
+    # main/megatron/core/tensor_parallel/cross_entropy.py; torch's over float32 logits), or a
     # fused cross entropy's bfloat16 logits and bfloat16 gradient (flash-attn's, llm-foundry's default).
     loss_bytes_per_logit: int = 8
     # Whether a float8 job's linear layers keep the inputs they read for the weight-gradient GEMM in
     # float8 (Transformer Engine's: transformer_engine/pytorch/module/linear.py saves the quantized input)
     # or in bfloat16, cast again in the backward (torchao's float8 training, megascale's training.fp8).
     float8_keeps_inputs: bool = False
-
-    @property
-    def pp_waits_each_turn(self) -> bool:
-        """Whether each micro-batch's turn through a stage waits for its pipeline transfers (blocking,
-        paired exchanges), so the bubble repeats them; otherwise the step waits once for what its
-        schedule's order leaves (`megascale.plan.step._pp_exposed_seconds`)."""
-        return not self.pp_overlap and self.pp_exchange != "each"
 
     @property
     def host_stall_s(self) -> float:
@@ -290,38 +267,6 @@ class Features:
         """The attention kernel the system runs (`megascale.plan.compute.attention_seconds`): the device's
         fastest with fused kernels, else `attention_kernel`."""
         return "fused" if self.fused_kernels else self.attention_kernel
-
-
-# 0.2 s of host stall per step without async data: Table 3's "misc optimizations" step (+1.1 MFU points at
-# about 13 s per step) removed about that much.
-MEGATRON = Features(host_overhead_s=0.2)
-MEGASCALE = Features(
-    tp_overlap=True,
-    pp_overlap=True,
-    dp_overlap=True,
-    fused_kernels=True,
-    async_data=True,
-    cp_overlap=True,
-    ep_overlap="both",
-    moe_tp=("ep",),
-    host_overhead_s=0.2,
-    uneven_stages=True,
-)
-
-
-# megascale's own trainer: FSDP2 synchronises every micro-batch; no overlap is modelled (on CPU, gloo
-# collectives and compute share the same cores).
-MEGASCALE_TRAINER = Features(
-    dp_sync_per_micro_batch=True,
-    attention_kernel="fused",
-    moe_tp=("whole", "ep"),
-    moe_attention="tp",
-    pp_scatter_gather=False,
-    own_blocks=True,
-    uneven_stages=True,
-    interleaved_min_pp=2,
-    grads_as_made=True,
-)
 
 
 @dataclass(frozen=True)

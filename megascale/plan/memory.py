@@ -176,14 +176,8 @@ def activation_bytes_per_block(
     s, b, t = layout.local_seq_len(job), layout.micro_batch, layout.tp
     scale = job.precision.activation_bytes / 2  # the counts are of 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
-    if layout.recompute == "full":  # the block's input; where only some blocks recompute, the average
-        block_input = s * b * job.model.dim * 2 * scale / (t if sharded else 1)
-        share = layout.recomputed_share(job)
-        if share == 1.0:
-            return block_input
-        whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
-        whole_bytes = activation_bytes_per_block(job, whole, moe, features)
-        return share * block_input + (1 - share) * whole_bytes
+    if layout.recompute == "full":  # the block's input
+        return s * b * job.model.dim * 2 * scale / (t if sharded else 1)
     if layout.recompute == "op":
         model = job.model
         op_kept = model.dim / (t if sharded else 1) + model.attention.n_heads * head_dim_of(model) / t
@@ -287,7 +281,7 @@ def memory_per_device(
         held_blocks = offload_held_blocks(layout, blocks, in_flight, fetch_ahead=not on_cpu)
     working = 0.0
     if layout.recompute == "full":  # the block whose forward is recomputed holds all of it for its backward
-        whole = dataclasses.replace(layout, recompute="none", recompute_blocks=0)
+        whole = dataclasses.replace(layout, recompute="none")
         moe = moe_blocks == blocks
         if features.own_blocks and not moe:
             working = trainer_block_bytes(job, whole, on_cpu)
@@ -340,10 +334,7 @@ def offload_held_blocks(layout: Layout, blocks: float, in_flight: float, fetch_a
     """Blocks' worth of activations a device holds at its peak under activation offload
     (`megascale.parallel.offload`): the last block of each of its chunks keeps its own, for each
     micro-batch in flight, and a block's forward or backward holds that block's; on an accelerator the
-    backward also holds the block fetched ahead of the one it is in. Where only the first
-    `offload_blocks` of each chunk offload, the rest keep theirs."""
+    backward also holds the block fetched ahead of the one it is in."""
     kept = in_flight * layout.virtual_stages
-    if layout.offload_blocks:
-        kept = in_flight * max(layout.virtual_stages, blocks - layout.offload_blocks * layout.virtual_stages)
     ahead = 1 if fetch_ahead and blocks > 2 * layout.virtual_stages else 0
     return min(blocks * in_flight, kept + ahead)

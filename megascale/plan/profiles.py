@@ -17,10 +17,11 @@ from megascale.errors import ConfigError
 from megascale.observe.peak import cached_calibration, calibration_cache, cpu_model
 from megascale.plan.hardware import PROFILES, HardwareProfile
 
-SMALL_GEMM = (256, 128, 384)  # (m, k, n): the size of the linear layers of the models a CPU run trains
-# (hidden, sequence, batch) of the host-time probes: a tiny model, where the host is all there is, and one
-# of the size the runs a CPU trains (256 tokens of hidden 128: SMALL_GEMM's m and k), for what tensor
-# parallelism adds per byte of activations
+# The probes' shapes. (m, k, n) of the small-GEMM probe: a linear layer of the model bench/plan_accuracy.py
+# trains on a CPU (256 tokens a micro-batch, hidden 128, three projections' width). (hidden, sequence,
+# batch) of the host-time probes: a tiny model, where the host is all there is, and one of that bench's
+# size (256 tokens of hidden 128), for what tensor parallelism adds per byte of activations.
+SMALL_GEMM = (256, 128, 384)
 TINY_SHAPE = (16, 8, 1)
 SIZED_SHAPE = (SMALL_GEMM[1], 64, SMALL_GEMM[0] // 64)
 # What `megascale calibrate` stores; a cache without one of them was written by an older version.

@@ -13,26 +13,16 @@ from megascale.config import JobConfig, load_config
 from megascale.errors import ConfigError
 from megascale.models.flops import attention_flops_per_token, attention_span, flops_per_token, num_params
 from megascale.plan.compute import keys_per_query
-from megascale.plan.constants import model_constants, profile_constants
+from megascale.plan.constants import model_constants
 from megascale.plan.experts import is_moe
 from megascale.plan.hardware import HardwareProfile
-from megascale.plan.job import (
-    MEGASCALE,
-    MEGASCALE_TRAINER,
-    MEGATRON,
-    MIXED_BF16,
-    Cluster,
-    Job,
-    Layout,
-    job_from_config,
-    layout_from_config,
-)
+from megascale.plan.job import MIXED_BF16, Cluster, Job, Layout, job_from_config, layout_from_config
 from megascale.plan.placement import choose_rank_order
 from megascale.plan.profiles import profile_named
 from megascale.plan.search import MEMORY_HEADROOM, Plan, fastest_per_split, memory_limit_bytes, search
 from megascale.plan.step import estimate_step
+from megascale.plan.systems import SYSTEMS
 
-SYSTEMS = {"megascale": MEGASCALE, "megatron-lm": MEGATRON, "trainer": MEGASCALE_TRAINER}
 ATTENTION_KERNELS = {  # as the assumptions line names them (`megascale.plan.compute.attention_seconds`)
     "fused": "fused (the device's fastest)",
     "flash2": "FlashAttention-2",
@@ -215,15 +205,14 @@ def render(
             f"{100 * estimate.mfu:>5.1f}% {estimate.memory.total_bytes / 1e9:>10.1f}  "
             + "  ".join(f"{100 * seconds / estimate.step_s:>6.1f}%" for seconds in groups.values())
         )
-    if (share := attention_share(job)) >= ATTENTION_SHARE_NOTED:
-        span = attention_span(model, job.seq_len)
-        run = keys_per_query(job.seq_len, model.attention.window) / span  # of each query's counted keys
-        lines.append(
-            f"MFU counts attention unhalved (6N + 12 x layers x heads x head size x span FLOPs a token, as "
-            f"Megatron-LM and torchtitan count it): {share:.0%} of these FLOPs are attention's, of which a "
-            f"causal kernel runs {run:.0%}, so the devices run {1 - share * (1 - run):.0%} of the FLOPs the "
-            "MFU counts"
-        )
+    share = attention_share(job)
+    run = keys_per_query(job.seq_len, model.attention.window) / attention_span(model, job.seq_len)
+    lines.append(
+        f"MFU counts attention unhalved (6N + 12 x layers x heads x head size x span FLOPs a token, as "
+        f"Megatron-LM and torchtitan count it): {share:.0%} of these FLOPs are attention's, of which a "
+        f"causal kernel runs {run:.0%}, so the devices run {1 - share * (1 - run):.0%} of the FLOPs the "
+        "MFU counts"
+    )
     best = plans[0]
     placement = choose_rank_order(best.layout, profile)
     lines += [
@@ -236,10 +225,6 @@ def render(
     if explain:
         lines += explain_lines(best, profile)
     return "\n".join(lines) + "\n"
-
-
-# The share of the counted FLOPs from attention above which the plan says how MFU counts them.
-ATTENTION_SHARE_NOTED = 0.25
 
 
 def attention_share(job: Job) -> float:
@@ -276,14 +261,16 @@ def explain_lines(plan: Plan, profile: HardwareProfile) -> list[str]:
             )
         )
     )
-    lines.append(
-        f"profile {profile.name}, source: {profile.source}; its calibration constants' sources in "
-        "docs/planning.md, 'Calibration constants':"
-    )
-    lines += [f"  {c.name} = {_value(c.value)}  {c.source}" for c in profile_constants(profile)]
-    lines.append("constants of the model (megascale/plan/<module>.py), each with its source:")
+    lines.append(f"profile {profile.name} ({profile.source}), its constants sourced below:")
+    numbers = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)}
+    lines += [f"  {name} = {_value(value)}" for name, value in numbers.items() if _number(value)]
+    lines.append("constants of the planner (megascale/plan/<module>.py), each with its source:")
     lines += [f"  {c.module}.{c.name} = {_value(c.value)}  {c.source}" for c in model_constants()]
     return lines
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _value(value: object) -> str:

@@ -15,7 +15,6 @@ micro-batches of 6 or 12, NeMo's Llama 2 70B at 20 chunks of one layer).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from megascale.errors import ConfigError
@@ -25,10 +24,13 @@ from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.step import StepEstimate, estimate_step
 
-MEMORY_HEADROOM = 0.9  # of device memory usable by the model: the allocator, CUDA context, NCCL buffers
+# The share of device memory a plan may use, the rest left to the allocator's fragmentation, the CUDA
+# context and NCCL's buffers: vLLM's default for the same reason (--gpu-memory-utilization 0.9,
+# https://docs.vllm.ai/en/latest/configuration/engine_args.html).
+MEMORY_HEADROOM = 0.9
 # Positions of each sequence a cp rank keeps, at least: the model leaves out what a ring step costs beyond
 # its transfer and blocks (launches, merging each step's output), which short chunks feel; Llama 3 ran
-# context parallelism at 131,072 over 16 ranks (8,192 each) and none at 8,192 (docs/planning.md).
+# context parallelism at 131,072 over 16 ranks (8,192 each) and none at 8,192 (arXiv:2407.21783, Table 4).
 MIN_CONTEXT_POSITIONS = 8192
 
 
@@ -159,37 +161,6 @@ def _stages_fit(n_layers: int, stages: int, features: Features) -> bool:
     return n_layers % stages == 0 or features.uneven_stages and stages <= n_layers
 
 
-def _fewest_recomputed(
-    job: Job,
-    layout: Layout,
-    kept_all: StepEstimate,
-    features: Features,
-    profile: HardwareProfile,
-    cluster: Cluster,
-    limit_bytes: float,
-) -> Plan | None:
-    """Where a layout that recomputes nothing does not fit and its system can recompute some blocks of
-    each chunk (`Features.partial_recompute`), the layout recomputing the fewest that fit; None where
-    recomputing all of them would be needed or would not fit either. Memory falls about linearly in the
-    blocks recomputed, so the count is read off that line and checked, a block more at a time."""
-    if not features.partial_recompute or layout.recompute != "none" or "full" not in features.recomputes:
-        return None
-    if layout_problem(job, dataclasses.replace(layout, recompute="full", recompute_blocks=1)):
-        return None
-    chunk_blocks = math.ceil(job.model.n_layers / (layout.pp * layout.virtual_stages))
-    full = estimate_step(job, dataclasses.replace(layout, recompute="full"), features, profile, cluster)
-    kept_bytes, full_bytes = kept_all.memory.total_bytes, full.memory.total_bytes
-    if full_bytes > limit_bytes:
-        return None
-    blocks = math.ceil(chunk_blocks * (kept_bytes - limit_bytes) / (kept_bytes - full_bytes))
-    for count in range(max(1, blocks), chunk_blocks):
-        partial = dataclasses.replace(layout, recompute="full", recompute_blocks=count)
-        estimate = estimate_step(job, partial, features, profile, cluster)
-        if estimate.memory.total_bytes <= limit_bytes:
-            return Plan(partial, estimate)
-    return None
-
-
 # What a pinned degree must satisfy, for the message that refuses one (the rules `_degrees` applies).
 PINNED_RULES = {
     "tp": "TP divides the devices, the model's heads, KV heads, hidden size and vocabulary, within a node",
@@ -263,10 +234,6 @@ def search(
     plans, smallest = [], None
     for layout in layouts:
         estimate = estimate_step(job, layout, features, profile, cluster)
-        if estimate.memory.total_bytes > limit_bytes and (
-            partial := _fewest_recomputed(job, layout, estimate, features, profile, cluster, limit_bytes)
-        ):
-            plans.append(partial)
         if estimate.memory.total_bytes <= limit_bytes:
             plans.append(Plan(layout, estimate))
         elif smallest is None or estimate.memory.total_bytes < smallest.estimate.memory.total_bytes:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megascale.config import head_dim_of
+from megascale.config import OverlapConfig, head_dim_of
 from megascale.errors import ConfigError
 from megascale.models.flops import flops_per_token
 from megascale.plan.comm import (
@@ -70,9 +70,9 @@ from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.memory import Memory, gathered_bytes, memory_per_device, stage_param_groups
 from megascale.plan.stages import busiest_rank, most_blocks
 
-# Chunks an overlapped tensor-parallel collective is cut into (megascale's parallel.tp_chunks default,
+# Chunks an overlapped collective is cut into, as megascale's overlap cuts it (`parallel.overlap.tp_chunks`,
 # MegaScale §3.2 Fig. 3); the first one's transfer is always exposed.
-TP_OVERLAP_CHUNKS = 4
+TP_OVERLAP_CHUNKS = OverlapConfig().tp_chunks
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def estimate_step(
     micro_batch_s = compute_s + tp_exposed_s + ep_exposed_s + cp_exposed_s + output_s
     forward_s = per_micro_batch(lambda block, moe: block.total_s - block.recompute_s) / 3
     pp_exposed_s = _pp_exposed_seconds(job, layout, profile, features, m, forward_s)
-    if features.pp_waits_each_turn:
+    if not features.pp_overlap:
         micro_batch_s += pp_exposed_s
     bubble = _bubble_micro_batches(layout)
     slowdown = _straggler_slowdown(cluster, profile)
@@ -295,41 +295,18 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
 def _pp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, m: int, forward_s: float
 ) -> float:
-    """Pipeline transfer seconds on the critical path, per micro-batch. Blocking and paired, each
-    micro-batch's turn through a stage waits for one exchange with each neighbour (two transfers, one
-    where two stages have a neighbour each): Megatron-LM's blocking 1F1B, replayed, waits within three
-    transfers a step of that, exactly at two stages (tests/plan/test_blocking_pipeline.py). Blocking one
-    call at a time, what that order waits for over the step (`_sequential_pp_seconds`). With
-    asynchronous sends and receives, what the schedule's order waits for over the step
+    """Pipeline transfer seconds on the critical path, per micro-batch. Blocking, each micro-batch's turn
+    through a stage waits for one exchange with each neighbour, each send beside the receive it waits for
+    (two transfers, one where two stages have a neighbour each): Megatron-LM's blocking 1F1B, replayed,
+    waits within three transfers a step of that, exactly at two stages (test_blocking_pipeline.py).
+    With asynchronous sends and receives, what the schedule's order waits for over the step
     (`_overlapped_pp_seconds`, given a micro-batch's `forward_s` through the stage)."""
     transfers_s = _pp_seconds(job, layout, profile, features)
     if features.pp_overlap:
         return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
-    if not features.pp_waits_each_turn:
-        return _sequential_pp_seconds(layout, m, transfers_s) / m
     if layout.pp == 2 and layout.virtual_stages == 1:
         return transfers_s / 2  # each stage has one neighbour: one paired exchange a micro-batch's turn
     return transfers_s
-
-
-def _sequential_pp_seconds(layout: Layout, m: int, transfers_s: float) -> float:
-    """Transfer seconds a step waits for when every send and receive is its own blocking call, in
-    DeepSpeed's 1F1B order (`TrainSchedule`: a stage receives a micro-batch's activation and sends the
-    previous one's gradient before each forward, sends the activation and receives the gradient before
-    each backward), given `transfers_s`, a micro-batch's 2 transfers through a stage.
-
-    Replaying that order (tests/plan/test_blocking_pipeline.py) with any forward, backward and transfer
-    times, each call done when both ends have reached it: a stage with two neighbours waits for all four
-    of its transfers of every micro-batch, 4 m, and the fill and drain 2 (p - 4) net; with two stages,
-    each with one neighbour, 2 m; with one micro-batch, its way there and back, 2 (p - 1). Exact: the
-    calls' order leaves no transfer beside compute. Megatron-LM's blocking exchanges pair the send
-    with the receive it waits for, so their transfers go in twos (`_pp_exposed_seconds`)."""
-    if layout.virtual_stages > 1 or layout.zero_bubble:
-        raise ValueError(f"plan: layout {layout.describe()}: a pipeline of blocking calls runs 1F1B only")
-    p, transfer_s = layout.pp, transfers_s / 2
-    if m == 1:
-        return 2 * (p - 1) * transfer_s
-    return (2 * m if p == 2 else 4 * m + 2 * (p - 4)) * transfer_s
 
 
 def _overlapped_pp_seconds(layout: Layout, m: int, transfers_s: float, forward_s: float) -> float:

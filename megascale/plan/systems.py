@@ -1,37 +1,41 @@
-"""What each published system could run, as `Features`: the validation and hold-out sources' systems.
+"""The training systems the planner knows, as `Features`: what each one overlaps, fuses and can run.
 
-Megatron-LM as SC'21 and Korthikanti et al. ran it (2021-2022), Megatron-Core (2024), PyTorch's FSDP and
-torchtitan. The planner predicts a published row under its system's features, and its search ranks only
-the layouts that system could run (docs/planning.md, "Validation set"); each choice names its source.
+One table serves `megascale plan --system NAME` and the validation against published runs
+(`megascale.plan.validation`): a published run names its system as the command line does, and its data
+file says where the run differs from it (an older release, a setting of the run). Each choice names its
+source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from megascale.plan.job import MEGATRON, Features
+from megascale.plan.job import Features
 
-# Megatron-LM as it ran in 2021-2022: no overlap of pipeline communication, attention over materialised
-# scores, data parallelism without a distributed optimizer, a host stall per step (the MegaScale paper's
-# baseline, before FlashAttention). The gradient all-reduce goes behind the backward without a pipeline,
-# where it ran torch's DDP, and after it with one, where it ran its own (SC'21's scripts, run_table_1.sh:
-# DDP=torch for pp = 1, DDP=local otherwise; only its schedule without a pipeline defers DDP's sync to
-# the last micro-batch).
-MEGATRON_2021 = dataclasses.replace(
-    MEGATRON,
-    attention_kernel="materialized",
-    zero_stages=(0,),
+# Megatron-LM as the MegaScale paper ran it for its baseline (arXiv:2402.15627 §6.1): none of the paper's
+# overlaps, FlashAttention, and a host stall a step: Table 3's "misc optimizations" step removed about
+# 0.2 s of about 13 s (+1.1 MFU points) by hiding data loading and garbage collection.
+MEGATRON = Features(host_overhead_s=0.2)
+# MegaScale (arXiv:2402.15627 §3): the TP, PP and DP overlaps of §3.2, fused kernels of §3.3, asynchronous
+# data of §3.4; megascale's own overlaps of context and expert parallelism (MegaScale-MoE,
+# arXiv:2505.11432 §4: the tp ranks as the expert-parallel group).
+MEGASCALE = Features(
+    tp_overlap=True,
+    pp_overlap=True,
     dp_overlap=True,
-    dp_overlap_pipelined=False,
+    fused_kernels=True,
+    async_data=True,
+    cp_overlap=True,
+    ep_overlap="both",
+    moe_tp=("ep",),
+    host_overhead_s=0.2,
+    uneven_stages=True,
 )
-# ... in 2022, with the column-parallel layers' backward collectives behind their gradient GEMMs
-# (September 2021 for the all-reduce, March 2022 for sequence parallelism's gather and reduce-scatter).
-MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, tp_backward_overlap=True)
-# ... as SC'21 ran it: before sequence parallelism and selective recomputation (Korthikanti et al. 2022),
-# and every run recomputing whole blocks, as its hardware FLOPs (Eq. 3) count the recomputed forward.
-MEGATRON_2021_SC21 = dataclasses.replace(MEGATRON_2021, sequence_parallel=False, recomputes=("full",))
-# Megatron-Core in 2024: data-, tensor- and pipeline-parallel communication overlapped, fused kernels
-# (Transformer Engine's: fused attention, ring attention's transfers behind the blocks, float8 inputs).
+# Megatron-Core (https://github.com/NVIDIA/Megatron-LM/tree/core_r0.8.0, 2024): data-, tensor- and
+# pipeline-parallel communication
+# overlapped, Transformer Engine's fused kernels (fused attention, float8 inputs kept in float8), the
+# distributed optimizer (ZeRO-1); virtual stages from pp = 2 since commit 3ee489d9ea (May 2024), where
+# the pipeline's transfers overlap.
 MEGATRON_CORE = Features(
     tp_overlap=True,
     tp_overlap_attention=True,
@@ -39,17 +43,14 @@ MEGATRON_CORE = Features(
     dp_overlap=True,
     cp_overlap=True,
     fused_kernels=True,
-    zero_stages=(1,),  # the distributed optimizer
+    zero_stages=(1,),
     host_overhead_s=0.2,
     float8_keeps_inputs=True,
-    partial_recompute=True,
-    # Virtual stages at pp = 2 since Megatron-LM 3ee489d9ea (May 2024, in core_r0.8.0), where the
-    # pipeline's transfers overlap (`overlap_p2p_comm`, on by default); pp > 2 before, and without it.
     interleaved_min_pp=2,
 )
-# FSDP (PyTorch's, in torchtitan and Composer, uncompiled): per-block all-gathers prefetched, reduce-
-# scatters behind the backward, FlashAttention-2 (torch's SDPA ran it on Hopper too in late 2024,
-# pytorch/pytorch#141133), element-wise operators one kernel each.
+# PyTorch's FSDP (torchtitan's FSDP2, Composer's FSDP): per-block all-gathers prefetched, reduce-scatters
+# behind the backward, every micro-batch; torch's SDPA, which ran FlashAttention-2 on Hopper in late 2024
+# (https://github.com/pytorch/pytorch/issues/141133); a host stall a step, as MEGATRON's.
 FSDP = Features(
     dp_overlap=True,
     attention_kernel="flash2",
@@ -57,7 +58,61 @@ FSDP = Features(
     host_overhead_s=0.2,
     grads_as_made=True,
 )
-# torchtitan's FSDP2, whose selective recomputation is per operator ("op": every second matmul of a block
-# and its element-wise operators recomputed, `megascale.plan.compute`), uncompiled: its Llama's RMSNorm
-# and RoPE run as composite float32 operators, each a pass through memory.
-TORCHTITAN = dataclasses.replace(FSDP, recomputes=("none", "op", "full"), elementwise="eager")
+# torchtitan (https://github.com/pytorch/torchtitan, 2024): FSDP2 with TP, PP (torch's schedules:
+# interleaved from pp 2, layers cut unevenly) and CP (the next ring step's keys and values sent while the
+# current one computes); per-operator selective recomputation ("op"); uncompiled, its RMSNorm and RoPE run as
+# composite float32 operators (`Features.elementwise` "eager").
+TORCHTITAN = dataclasses.replace(
+    FSDP,
+    recomputes=("none", "op", "full"),
+    elementwise="eager",
+    uneven_stages=True,
+    interleaved_min_pp=2,
+    cp_overlap=True,
+)
+# MosaicML llm-foundry (Composer's FSDP alone): its triton FlashAttention (FlashAttention-1's algorithm,
+# the benchmark script's default `--attn_impl`) and flash-attn's fused cross entropy, which keeps bfloat16
+# logits and makes a bfloat16 gradient (https://github.com/mosaicml/llm-foundry/tree/main/scripts/train/
+# benchmarking).
+LLM_FOUNDRY = dataclasses.replace(
+    FSDP, model_parallel=False, attention_kernel="flash", loss_bytes_per_logit=4
+)
+# Megatron-DeepSpeed as BLOOM-176B ran it in 2022 (https://github.com/bigscience-workshop/bigscience/tree/
+# master/train/tr11-176B-ml):
+# attention over materialised scores, no sequence parallelism or selective recomputation, DeepSpeed's
+# ZeRO-1, which reduces after the backward (no backward hooks: microsoft/DeepSpeed PR 1246), and its
+# pipeline engine, which cuts stages unevenly and has no interleaved schedule.
+DEEPSPEED = Features(
+    attention_kernel="materialized",
+    zero_stages=(1,),
+    sequence_parallel=False,
+    recomputes=("full",),
+    host_overhead_s=0.2,
+    uneven_stages=True,
+    interleaved_min_pp=None,
+)
+# megascale's own trainer as it runs today (megascale/parallel/parallelize.py): FSDP2 synchronising every
+# micro-batch, no overlap modelled (on a CPU, gloo's collectives and the compute share the cores), torch's
+# SDPA, its own model's activations (`memory.trainer_block_bytes`).
+TRAINER = Features(
+    dp_sync_per_micro_batch=True,
+    attention_kernel="fused",
+    moe_tp=("whole", "ep"),
+    moe_attention="tp",
+    pp_scatter_gather=False,
+    own_blocks=True,
+    uneven_stages=True,
+    interleaved_min_pp=2,
+    grads_as_made=True,
+)
+
+# By the names `megascale plan --system` takes (`megascale.plan.command.SYSTEM_NAMES`).
+SYSTEMS: dict[str, Features] = {
+    "megascale": MEGASCALE,
+    "megatron-lm": MEGATRON,
+    "megatron-core": MEGATRON_CORE,
+    "deepspeed": DEEPSPEED,
+    "torchtitan": TORCHTITAN,
+    "llm-foundry": LLM_FOUNDRY,
+    "trainer": TRAINER,
+}

@@ -1,570 +1,305 @@
-"""The planner's validation set: published training throughputs it was not fitted on, and its error on each.
+"""The planner against published training runs: each row's published step and MFU beside the prediction.
 
-The planner's constants come from the MegaScale paper's tables alone (`megascale.plan.paper`); these rows
-come from other papers and projects, each with its source, its FLOP convention and what we assumed where
-the source is silent (docs/planning.md, "Validation set"). Sources count FLOPs differently (hardware FLOPs
-with recomputation, model FLOPs with or without causal halving, 6N with or without the embeddings), so a
-row is compared by its step time, which every convention agrees on: each row's published step time is the
-one the source states, or the one its throughput implies under its own FLOP formula. The predicted MFU of
-a row is then the published MFU times published over predicted step time, in the source's convention, and
-the error is in that convention's points.
+The runs are data, one TOML file a source table (tests/plan/published/ in a source checkout; `--data DIR`
+reads another folder): where the table comes from, the FLOP convention of its figures, the system that ran
+it (a name `megascale plan --system` takes, `megascale.plan.systems`, and where the run differs from it),
+the hardware, what was assumed where the source is silent, and one line a run: its model, sequence, batch,
+layout and the figure the source gives (a step time, a throughput or an MFU). The tables are in three
+sets: the MegaScale papers' ("paper"; the one fitted constant, `hardware.GEMM_EFFICIENCY`, comes from two of
+them), the validation set and the hold-out tables, neither used to fit anything.
 
-`python -m megascale.plan.validation` prints the table of docs/planning.md (a test checks they agree).
+Sources count FLOPs differently (hardware FLOPs with recomputation, model FLOPs with or without causal
+halving, 6N with or without the embeddings), so a row is compared in its source's own convention: its
+published MFU is the source's (or follows from its step time or throughput under the source's formula),
+and the predicted MFU is the same formula's FLOPs over the predicted step; the error is in those points.
+
+`python -m megascale.plan.validation` prints the tables of docs/planning.md (a test checks they agree).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import sys
-from collections.abc import Callable
+import tomllib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from megascale.config import AttentionConfig, ModelConfig
-from megascale.models.flops import num_params
+from megascale.config import AttentionConfig, ModelConfig, MoEConfig
+from megascale.errors import ConfigError
+from megascale.models.flops import attention_flops_per_token, flops_per_token, num_params
 from megascale.plan.hardware import PROFILES, HardwareProfile
 from megascale.plan.job import MIXED_BF16, Cluster, Features, Job, Layout
 from megascale.plan.search import NoLayoutFits, Plan, fastest_per_split, search
 from megascale.plan.step import StepEstimate, estimate_step
-from megascale.plan.systems import (
-    FSDP,
-    MEGATRON_2021_SC21,
-    MEGATRON_2022,
-    MEGATRON_CORE,
-    TORCHTITAN,
-)
+from megascale.plan.systems import SYSTEMS
 
-A100, H100 = PROFILES["a100"], PROFILES["h100"]
-TERA = 1e12
+DATA = Path(__file__).resolve().parents[2] / "tests" / "plan" / "published"
+SETS = ("paper", "validation", "holdout")
+FIGURES = ("step_s", "mfu", "tflops_per_gpu", "tokens_per_s_per_gpu", "tokens_per_s")
+ROW_KEYS = {"label", "model", "seq_len", "batch", "layout", "system", "hardware", "features", "params"}
+RUN_KEYS = {"dropout": False, "grad_bytes": MIXED_BF16.grad_bytes, "fp8": False, "fp8_all_gather": False}
 
 
-def gpt(dim: int, layers: int, heads: int, vocab: int, seq_len: int, tied: bool = True) -> ModelConfig:
-    """A GPT of Megatron's shape: LayerNorm, GeLU MLP 4h wide, learned positions, multi-head attention."""
-    return ModelConfig(
-        dim=dim,
-        n_layers=layers,
-        vocab_size=vocab,
-        ffn_dim=4 * dim,
-        max_seq_len=seq_len,
-        norm="layernorm",
-        mlp="gelu",
-        position="learned",
-        tie_embeddings=tied,
-        attention=AttentionConfig(n_heads=heads, n_kv_heads=heads),
-    )
-
-
-def llama(
-    dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len: int
-) -> ModelConfig:
-    """A Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings."""
-    return ModelConfig(
-        dim=dim,
-        n_layers=layers,
-        vocab_size=vocab,
-        ffn_dim=ffn,
-        max_seq_len=seq_len,
-        tie_embeddings=False,
-        attention=AttentionConfig(n_heads=heads, n_kv_heads=kv_heads),
-    )
-
-
-# FLOPs per token in each source's own convention, from which its throughput figures were computed.
-def megatron_hardware_flops(model: ModelConfig, seq_len: int) -> float:
-    """SC'21 Eq. 3 (Narayanan et al. 2021): every block GEMM 4 times (forward, backward, the recomputed
-    forward), attention's score matmuls unhalved, the logit layer 3 times."""
+def _megatron_hardware(model: ModelConfig, seq_len: int, params: float) -> float:
+    """SC'21 Eq. 3 (arXiv:2104.04473): every block GEMM 4 times (forward, backward, the recomputed forward),
+    attention's score matmuls unhalved, the logit layer 3 times."""
     h, layers, vocab = model.dim, model.n_layers, model.vocab_size
     return 96 * layers * h * h * (1 + seq_len / (6 * h) + vocab / (16 * layers * h))
 
 
-def megatron_model_flops(model: ModelConfig, seq_len: int) -> float:
-    """Korthikanti et al. 2022, Appendix A, and Megatron-Core's `num_floating_point_operations` for a GPT
-    with a 4h GeLU MLP: forward and backward, no recomputation, attention's score matmuls unhalved."""
+def _megatron_model(model: ModelConfig, seq_len: int, params: float) -> float:
+    """Korthikanti et al. 2022 (arXiv:2205.05198) Appendix A for a GPT with a 4h GeLU MLP: forward and
+    backward, no recomputation, attention's score matmuls unhalved."""
     h, layers, vocab = model.dim, model.n_layers, model.vocab_size
     return 72 * layers * h * h * (1 + seq_len / (6 * h) + vocab / (12 * layers * h))
 
 
-def palm_flops(params: float) -> Callable[[ModelConfig, int], float]:
-    """PaLM's model FLOPs (Chowdhery et al. 2022, Appendix B): 6N per token for N parameters (as the source
-    counts them), plus 12 * layers * dim * seq_len for attention's score matmuls, unhalved."""
-    return lambda model, seq_len: 6 * params + 12 * model.n_layers * model.dim * seq_len
+def _palm(model: ModelConfig, seq_len: int, params: float) -> float:
+    """PaLM's model FLOPs (arXiv:2204.02311, Appendix B): 6N for N parameters as the source counts them,
+    plus 12 x layers x dim x sequence for attention's score matmuls, unhalved."""
+    return 6 * params + 12 * model.n_layers * model.dim * seq_len
+
+
+def _causal(model: ModelConfig, seq_len: int, params: float) -> float:
+    """6 x the parameters a token uses (the output layer's too) and causal attention at half the square."""
+    return flops_per_token(model, seq_len) - attention_flops_per_token(model, seq_len) / 2
+
+
+# FLOPs a token by a table's `flops` convention, from (model, sequence, parameters as the source counts).
+FLOPS: dict[str, Callable[[ModelConfig, int, float], float]] = {
+    "megatron-hardware": _megatron_hardware,
+    "megatron-model": _megatron_model,
+    "palm": _palm,
+    "causal": _causal,
+}
 
 
 @dataclass(frozen=True)
 class Source:
-    """Where rows come from, how they counted FLOPs, the system they ran, and what we assumed."""
+    """One published table: its name, set and file, where it comes from, how it counts, what we assumed."""
 
     name: str
+    set: str
+    file: str
     where: str
     convention: str
-    features: Features
-    profile: HardwareProfile
     assumed: str
-    # The peak the source's MFU divides by, where its devices ran below the profile's datasheet one
-    # (torchtitan's power-capped H100s, reported against the SXM's 989 TFLOP/s); None: the profile's.
-    mfu_peak_tflops: float | None = None
 
 
 @dataclass(frozen=True)
 class Published:
-    """One published run and what its source says of it; `step_s` is stated or derived (`published`)."""
+    """One published run: its job and layout, the system and hardware it ran on, its published figures."""
 
     source: Source
     label: str
-    model: ModelConfig
-    seq_len: int
-    global_batch: int
+    job: Job
     layout: Layout
-    step_s: float
-    mfu: float  # the published MFU, in the source's convention (of the bfloat16 peak)
-    fp8: bool = False  # whether the run's linear layers ran in float8
-    fp8_all_gather: bool = False  # ... and FSDP gathered their weights in float8 (torchao's all-gather)
-    dropout: bool = False  # whether the model trained with dropout (`Job.dropout`)
-    grad_bytes: int = MIXED_BF16.grad_bytes  # gradients as accumulated and reduce-scattered
+    system: str
+    features: Features
+    profile: HardwareProfile
+    cluster: Cluster
+    flops_per_step: float  # in the source's convention
+    step_s: float  # as published, or as its published throughput implies
+    mfu: float  # as published, or as its published step time implies
+    mfu_peak_flops: float  # the per-device peak the source's MFU divides by
 
     @property
     def gpus(self) -> int:
         return self.layout.devices
 
-    @property
-    def job(self) -> Job:
-        precision = dataclasses.replace(MIXED_BF16, grad_bytes=self.grad_bytes)
-        if self.fp8_all_gather:
-            precision = dataclasses.replace(precision, gathered_block_bytes=1)
-        return Job(
-            self.model,
-            self.seq_len,
-            self.global_batch,
-            precision=precision,
-            fp8=self.fp8,
-            fp8_all_gather=self.fp8_all_gather,
-            dropout=self.dropout,
-        )
-
-    def predict(self) -> StepEstimate:
-        cluster = Cluster(self.gpus)  # stragglers are the MegaScale cluster's (paper §5.1), not these
-        return estimate_step(self.job, self.layout, self.source.features, self.source.profile, cluster)
+    @functools.cached_property
+    def predicted(self) -> StepEstimate:
+        return estimate_step(self.job, self.layout, self.features, self.profile, self.cluster)
 
     @property
     def predicted_mfu(self) -> float:
         """The MFU the prediction implies, in the source's convention."""
-        return self.mfu * self.step_s / self.predict().step_s
+        return self.flops_per_step / (self.predicted.step_s * self.gpus * self.mfu_peak_flops)
 
     @property
     def error_points(self) -> float:
         return 100 * (self.predicted_mfu - self.mfu)
 
     def searched_plans(self) -> list[Plan]:
-        """`megascale plan`'s search for this row's job and devices, over the layouts its system can run,
+        """`megascale plan`'s search for this run's job and devices, over the layouts its system can run,
         fastest first; raises NoLayoutFits where the memory model leaves no layout room."""
-        features = self.source.features
-        return search(
-            self.job,
-            Cluster(self.gpus),
-            self.source.profile,
-            features,
-            skip_selective=features.fused_kernels,
-        )
+        features = self.features
+        return search(self.job, self.cluster, self.profile, features, skip_selective=features.fused_kernels)
 
     def search_agrees(self) -> bool:
-        """Whether the search (`searched_plans`) ranks the published layout among its first five splits of
-        the devices (`fastest_per_split`, as `megascale plan` lists them) or predicts it within 3 points
-        of its own pick; not where the memory model leaves no layout room."""
+        """Whether the search ranks the published layout among its first five splits of the devices
+        (`fastest_per_split`, as `megascale plan` lists them) or predicts it within 3 points of its own
+        pick; not where the memory model leaves no layout room."""
         try:
             plans = self.searched_plans()
         except NoLayoutFits:
             return False
-        shape = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.cp)
-        top = [
-            (plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.cp)
-            for plan in fastest_per_split(plans)[:5]
-        ]
-        pick_mfu = self.mfu * self.step_s / plans[0].estimate.step_s
-        return shape in top or 100 * (pick_mfu - self.predicted_mfu) <= 3
+        layout = self.layout
+        top = [(p.layout.tp, p.layout.pp, p.layout.dp, p.layout.cp) for p in fastest_per_split(plans)[:5]]
+        pick_mfu = self.predicted_mfu * self.predicted.step_s / plans[0].estimate.step_s
+        return (layout.tp, layout.pp, layout.dp, layout.cp) in top or 100 * (
+            pick_mfu - self.predicted_mfu
+        ) <= 3
 
 
-def published(
-    source: Source,
-    label: str,
-    job: tuple[ModelConfig, int, int],
-    layout: Layout,
-    flops_per_token: Callable[[ModelConfig, int], float],
-    *,
-    step_s: float | None = None,
-    tflops_per_gpu: float | None = None,
-    tokens_per_s_per_gpu: float | None = None,
-    fp8: bool = False,
-    fp8_all_gather: bool = False,
-    dropout: bool = False,
-    grad_bytes: int = MIXED_BF16.grad_bytes,
-) -> Published:
-    """A row of `job` (model, sequence length, global batch) from what its source gives: the iteration
-    time, or a throughput (TFLOP/s per GPU under the source's FLOP formula, or tokens/s per GPU); the
-    other figures follow under that formula. `fp8`: the run's linear layers ran in float8;
-    `fp8_all_gather`: FSDP gathered their weights in float8; `dropout`: the model trained with dropout;
-    `grad_bytes`: its gradients' bytes as accumulated and reduce-scattered (float32 unless said)."""
-    model, seq_len, global_batch = job
-    flops = global_batch * seq_len * flops_per_token(model, seq_len)
-    peak_per_device = source.profile.peak_flops("bfloat16")
-    if source.mfu_peak_tflops is not None:
-        peak_per_device = source.mfu_peak_tflops * TERA
-    peak = layout.devices * peak_per_device
-    if tokens_per_s_per_gpu is not None:
-        step_s = global_batch * seq_len / (layout.devices * tokens_per_s_per_gpu)
-    elif tflops_per_gpu is not None:
-        step_s = flops / (layout.devices * tflops_per_gpu * TERA)
-    assert step_s is not None, "a row needs its step time or a throughput"
-    mfu = flops / (step_s * peak)
-    return Published(
-        source,
-        label,
+@dataclass(frozen=True)
+class Table:
+    source: Source
+    system: str
+    rows: list[Published]
+
+
+def _model(spec: dict[str, Any], seq_len: int) -> ModelConfig:
+    spec = dict(spec)
+    attention = AttentionConfig(**spec.pop("attention", {}))
+    moe = MoEConfig(**spec.pop("moe", {}))
+    return ModelConfig(**spec, attention=attention, moe=moe, max_seq_len=seq_len)
+
+
+def _features(features: Features, changes: dict[str, Any]) -> Features:
+    tuples: dict[str, Any] = {key: tuple(v) if isinstance(v, list) else v for key, v in changes.items()}
+    return dataclasses.replace(features, **tuples)
+
+
+def _profile(name: str, changes: dict[str, Any]) -> HardwareProfile:
+    profile = PROFILES[name]
+    peaks = {**profile.peak_tflops, **changes.get("peak_tflops", {})}
+    return dataclasses.replace(profile, **{**changes, "peak_tflops": peaks})
+
+
+def _row(table: dict[str, Any], source: Source, row: dict[str, Any]) -> Published:
+    unknown = set(row) - ROW_KEYS - set(RUN_KEYS) - set(FIGURES)
+    if unknown or len(set(row) & set(FIGURES) - {"mfu"}) > 1:
+        raise ConfigError(f"validation: {source.file}, {row.get('label')!r}: unknown keys or figures {row}")
+    run = {key: row.get(key, table.get(key, default)) for key, default in RUN_KEYS.items()}
+    model = _model(table["models"][row["model"]], row["seq_len"])
+    precision = dataclasses.replace(MIXED_BF16, grad_bytes=run["grad_bytes"])
+    if run["fp8_all_gather"]:
+        precision = dataclasses.replace(precision, gathered_block_bytes=1)
+    job = Job(
         model,
-        seq_len,
-        global_batch,
-        layout,
-        step_s,
-        mfu,
-        fp8,
-        fp8_all_gather,
-        dropout,
-        grad_bytes,
+        row["seq_len"],
+        row["batch"],
+        precision=precision,
+        **{k: run[k] for k in RUN_KEYS if k != "grad_bytes"},
+    )
+    layout = Layout(**row["layout"])
+    system = row.get("system", table["system"])
+    features = _features(_features(SYSTEMS[system], table.get("features", {})), row.get("features", {}))
+    profile = _profile(row.get("hardware", table["hardware"]), table.get("hardware_changes", {}))
+    params = row.get("params", table.get("params", num_params(model)))
+    flops = job.tokens_per_step * FLOPS[table["flops"]](model, job.seq_len, params)
+    peak = table["mfu_peak_tflops"] * 1e12 if "mfu_peak_tflops" in table else profile.peak_flops("bfloat16")
+    gpus = layout.devices
+    step_s = row.get("step_s")
+    if "tflops_per_gpu" in row:
+        step_s = flops / (gpus * row["tflops_per_gpu"] * 1e12)
+    elif "tokens_per_s" in row:
+        step_s = job.tokens_per_step / row["tokens_per_s"]
+    elif "tokens_per_s_per_gpu" in row:
+        step_s = job.tokens_per_step / (gpus * row["tokens_per_s_per_gpu"])
+    elif step_s is None:
+        step_s = flops / (gpus * peak * row["mfu"])
+    mfu = row.get("mfu", flops / (step_s * gpus * peak))
+    cluster = Cluster(gpus, **table.get("cluster", {}))
+    return Published(
+        source, row["label"], job, layout, system, features, profile, cluster, flops, step_s, mfu, peak
     )
 
 
-SC21 = Source(
-    name="Megatron-LM, SC'21 Table 1",
-    where="Narayanan et al. 2021 (arXiv 2104.04473) Table 1; per-row micro-batch and virtual stages from "
-    "NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21/run_table_1.sh",
-    convention="hardware FLOPs (Eq. 3: full recomputation counted), % of 312 TFLOP/s",
-    features=MEGATRON_2021_SC21,
-    profile=A100,
-    assumed="no sequence parallelism (it did not exist); data parallelism without ZeRO (zero_stage 0): "
-    "torch's DDP without a pipeline, Megatron-LM's own after the backward with one (run_table_1.sh's "
-    "DDP=torch and DDP=local); dropout, Megatron-LM's default (run_table_1.sh sets none); gradients "
-    "accumulated and reduced in float16 (the scripts' CONFIG.sh trains in --fp16, and that Megatron-LM "
-    "keeps them in float32 only under bf16: megatron/model/distributed.py at the scripts' commit)",
-)
-SC21_ROWS = [
-    # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, TFLOP/s per GPU)
-    (2304, 24, 24, 1, 1, 32, 512, 16, 1, 137),
-    (3072, 30, 32, 2, 1, 64, 512, 16, 1, 138),
-    (4096, 36, 32, 4, 1, 128, 512, 16, 1, 142),
-    (6144, 40, 48, 8, 1, 256, 1024, 8, 1, 135),
-    (8192, 48, 64, 8, 2, 512, 1536, 4, 1, 138),
-    (10240, 60, 80, 8, 4, 1024, 1792, 2, 3, 140),
-    (12288, 80, 96, 8, 8, 1536, 2304, 2, 2, 148),
-    (16384, 96, 128, 8, 16, 1920, 2160, 1, 2, 155),
-    (20480, 105, 128, 8, 35, 2520, 2520, 1, 3, 163),
-    (25600, 128, 160, 8, 64, 3072, 3072, 1, 1, 163),
-]
+def load_table(path: Path) -> Table:
+    """One data file's table, every row ready to predict."""
+    table = tomllib.loads(path.read_text())
+    fields = ("name", "set", "where", "convention", "assumed")
+    source = Source(**{key: table[key] for key in fields}, file=path.name)
+    if source.set not in SETS:
+        raise ConfigError(f"validation: {path}: set {source.set!r} is not one of {', '.join(SETS)}")
+    return Table(source, table["system"], [_row(table, source, row) for row in table["rows"]])
 
 
-def sc21() -> list[Published]:
-    rows = []
-    for dim, layers, heads, tp, pp, gpus, batch, micro, chunks, tflops in SC21_ROWS:
-        model = gpt(dim, layers, heads, 51200, 2048)
-        layout = Layout(tp, pp, gpus // (tp * pp), chunks, micro, 0, "full", sequence_parallel=False)
-        label = f"{model_size(model)} tp{tp} pp{pp} on {gpus}"
-        job = (model, 2048, batch)
-        rows.append(
-            published(
-                SC21,
-                label,
-                job,
-                layout,
-                megatron_hardware_flops,
-                tflops_per_gpu=tflops,
-                dropout=True,
-                grad_bytes=2,
-            )
-        )
-    return rows
+def load_tables(data: Path = DATA) -> list[Table]:
+    """Every table in `data`, the papers' first, then the validation set's and the hold-out tables."""
+    if not data.is_dir():
+        raise ConfigError(f"validation: no folder of published tables at {data}; give one with --data DIR")
+    tables = [load_table(path) for path in sorted(data.glob("*.toml"))]
+    return sorted(tables, key=lambda table: SETS.index(table.source.set))
 
 
-KORTHIKANTI = Source(
-    name="Megatron-LM, Korthikanti et al. 2022 Table 5",
-    where="Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3 and 5, and the 530B data-parallel run of "
-    "§6.3; the MFU figures also in NVIDIA/Megatron-LM's README of May 2022",
-    convention="model FLOPs (Appendix A), % of 312 TFLOP/s; iteration times as published",
-    features=MEGATRON_2022,
-    profile=A100,
-    assumed="the 1T model not interleaved (the paper names interleaving for 175B and 530B only); the "
-    "Megatron-LM of its time (the column-parallel backward's collectives asynchronous, data parallelism "
-    "without the distributed optimizer: zero_stage 0); dropout, Megatron-LM's default",
-)
-KORTHIKANTI_ROWS = [
-    # (hidden, layers, heads, tp, pp, gpus, batch, micro-batch, virtual stages, s with SP + selective
-    # recomputation, s with full recomputation and no SP)
-    (6144, 48, 64, 8, 1, 8, 4, 4, 1, 1.10, 1.42),
-    (12288, 96, 96, 8, 8, 64, 64, 1, 3, 13.75, 18.13),
-    (20480, 105, 128, 8, 35, 280, 280, 1, 3, 37.83, 49.05),
-    (25600, 128, 160, 8, 64, 512, 512, 1, 1, 71.49, 94.42),
-]
-
-
-def korthikanti() -> list[Published]:
-    rows = []
-    for dim, layers, heads, tp, pp, gpus, batch, micro, chunks, selective_s, full_s in KORTHIKANTI_ROWS:
-        model = gpt(dim, layers, heads, 51200, 2048)
-        for recompute, sp, step_s in (("selective", True, selective_s), ("full", False, full_s)):
-            layout = Layout(tp, pp, gpus // (tp * pp), chunks, micro, 0, recompute, sp)
-            label = f"{model_size(model)} tp{tp} pp{pp} on {gpus}, {recompute} recompute"
-            job = (model, 2048, batch)
-            rows.append(
-                published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=step_s, dropout=True)
-            )
-    model = gpt(20480, 105, 128, 51200, 2048)  # §6.3: the 530B model on 8 data-parallel replicas
-    layout = Layout(8, 35, 8, 3, 1, 0, "selective", True)  # before the distributed optimizer
-    label, job = "530B tp8 pp35 dp8 on 2,240", (model, 2048, 2240)
-    rows.append(published(KORTHIKANTI, label, job, layout, megatron_model_flops, step_s=39.15, dropout=True))
-    return rows
-
-
-MEGATRON_CORE_H100 = Source(
-    name="Megatron-Core r0.8, H100 weak scaling",
-    where="NVIDIA/Megatron-LM README, 'Performance Benchmarking' (images/model_table.png, July 2024)",
-    convention="model FLOPs (Megatron-Core's formula, unhalved attention), % of 989 TFLOP/s",
-    features=MEGATRON_CORE,
-    profile=H100,
-    assumed="bf16; without a pipeline, one micro-batch of the whole data-parallel share, else micro-batches "
-    "of 1; no recomputation beyond FlashAttention's; the distributed optimizer "
-    "(ZeRO-1); no interleaving; untied embeddings (the table's parameter counts need them); a 4h GeLU MLP; "
-    "dropout, Megatron-LM's default",
-)
-MEGATRON_CORE_ROWS = [
-    # (hidden, layers, heads, tp, pp, gpus, batch, TFLOP/s per GPU)
-    (2048, 24, 16, 1, 1, 48, 192, 408.8),
-    (4096, 30, 32, 2, 1, 96, 192, 465.9),
-    (6144, 32, 48, 4, 1, 192, 192, 489.1),
-    (7168, 48, 56, 8, 1, 384, 192, 459.6),
-    (8192, 84, 64, 8, 2, 768, 384, 419.7),
-    (10240, 92, 80, 8, 4, 1536, 768, 420.5),
-    (12288, 96, 96, 8, 6, 2304, 1152, 432.8),
-    (16384, 96, 128, 8, 8, 3072, 1536, 474.4),
-    (18432, 112, 144, 8, 16, 6144, 3072, 459.9),
-]
-
-
-def megatron_core() -> list[Published]:
-    rows = []
-    for dim, layers, heads, tp, pp, gpus, batch, tflops in MEGATRON_CORE_ROWS:
-        model = gpt(dim, layers, heads, 131072, 4096, tied=False)
-        dp = gpus // (tp * pp)
-        micro = batch // dp if pp == 1 else 1
-        layout = Layout(tp, pp, dp, 1, micro, 1, "selective", True)
-        label, job = f"{model_size(model)} tp{tp} pp{pp} on {gpus:,}", (model, 4096, batch)
-        rows.append(
-            published(
-                MEGATRON_CORE_H100,
-                label,
-                job,
-                layout,
-                megatron_model_flops,
-                tflops_per_gpu=tflops,
-                dropout=True,
-            )
-        )
-    return rows
-
-
-TORCHTITAN_A100 = Source(
-    name="torchtitan, FSDP2 on 64 A100s",
-    where="pytorch/torchtitan docs/performance.md (2024; Llama 3 rows added April 2024)",
-    convention="6N + 12 L h s (N with the embeddings), % of 312 TFLOP/s",
-    features=dataclasses.replace(TORCHTITAN, model_parallel=False),  # its table benchmarks FSDP2 alone (1D)
-    profile=A100,
-    assumed="the network of our A100 profile (200 Gb/s per GPU; the source does not say); 'selective op' "
-    "recomputation as torchtitan's policy of April 2024 (every second matmul and the element-wise "
-    "operators recomputed)",
-)
-LLAMA3_8B = llama(4096, 32, 32, 8, 14336, 128256, 8192)
-TORCHTITAN_ROWS = [
-    # (name, model, seq_len, local batch, activation checkpointing, tokens/s per GPU, parameters as counted)
-    ("Llama 3 8B", LLAMA3_8B, 8192, 1, "selective op", 2973, 8.03e9),
-    ("Llama 3 70B", llama(8192, 80, 64, 8, 28672, 128256, 8192), 8192, 1, "full", 331, 70.6e9),
-    ("Llama 2 13B", llama(5120, 40, 40, 40, 13824, 32000, 4096), 4096, 2, "none", 2162, 13.0e9),
-    ("Llama 2 70B", llama(8192, 80, 64, 8, 28672, 32000, 4096), 4096, 2, "full", 353, 69.0e9),
-]
-TORCHTITAN_RECOMPUTE = {"selective op": "op", "full": "full", "none": "none"}
-
-
-def torchtitan() -> list[Published]:
-    rows = []
-    for name, model, seq_len, local, checkpointing, tokens_per_s, params in TORCHTITAN_ROWS:
-        layout = Layout(1, 1, 64, 1, local, 3, TORCHTITAN_RECOMPUTE[checkpointing], False)
-        label, job = f"{name}, recompute {checkpointing}", (model, seq_len, 64 * local)
-        flops = palm_flops(params)
-        rows.append(published(TORCHTITAN_A100, label, job, layout, flops, tokens_per_s_per_gpu=tokens_per_s))
-    return rows
-
-
-LLM_FOUNDRY = Source(
-    name="MosaicML llm-foundry, FSDP on H100",
-    where="mosaicml/llm-foundry scripts/train/benchmarking/README.md, 'H100 80GB BF16 (Large Scale)'",
-    convention="6N + 12 L d s (N with the embeddings), % of 989 TFLOP/s",
-    # Composer: FSDP alone; attention by llm-foundry's triton FlashAttention, the default `--attn_impl`
-    # of the benchmark script (scripts/train/benchmarking/submit_benchmarks.py) when the table was made.
-    # Its loss, flash-attn's fused cross entropy (MPT's default `loss_fn`), keeps bfloat16 logits and
-    # makes a bfloat16 gradient.
-    features=dataclasses.replace(
-        FSDP, model_parallel=False, attention_kernel="flash", loss_bytes_per_logit=4
-    ),
-    profile=H100,
-    assumed="the network of our H100 profile (400 Gb/s per GPU; the source does not say); MPT as a GPT "
-    "with learned positions and tied embeddings; FULL_SHARD as ZeRO-3, SHARD_GRAD_OP as ZeRO-2; its "
-    "triton attention kernel (FlashAttention-1's algorithm) at FlashAttention-1's speed; no dropout and "
-    "flash-attn's fused cross entropy (MPT's defaults)",
-)
-MPT = {  # name: (d_model, heads, layers)
-    "1b": (2048, 16, 24),
-    "3b": (2560, 20, 32),
-    "7b": (4096, 32, 32),
-    "13b": (5120, 40, 40),
-    "30b": (7168, 56, 48),
-    "70b": (8192, 64, 80),
-}
-LLM_FOUNDRY_ROWS = [
-    # (model, gpus, micro-batch, global batch, tokens/s per GPU, ZeRO stage, recompute)
-    ("70b", 128, 8, 1024, 1058, 3, "full"),
-    ("70b", 512, 8, 4096, 1007, 3, "full"),
-    ("30b", 128, 8, 1024, 2199, 3, "full"),
-    ("30b", 512, 8, 4096, 2115, 3, "full"),
-    ("13b", 128, 16, 2048, 5080, 3, "full"),
-    ("13b", 512, 16, 8192, 4952, 3, "full"),
-    ("7b", 128, 6, 768, 10475, 3, "none"),
-    ("7b", 512, 6, 3072, 9670, 3, "none"),
-    ("3b", 128, 8, 1024, 23422, 2, "none"),
-    ("3b", 512, 8, 4096, 21664, 2, "none"),
-    ("1b", 128, 12, 1536, 44123, 2, "none"),
-    ("1b", 512, 12, 6144, 39837, 2, "none"),
-]
-
-
-def llm_foundry() -> list[Published]:
-    rows = []
-    for name, gpus, micro, batch, tokens_per_s, zero, recompute in LLM_FOUNDRY_ROWS:
-        dim, heads, layers = MPT[name]
-        model = gpt(dim, layers, heads, 50368, 2048)
-        layout = Layout(1, 1, gpus, 1, micro, zero, recompute, False)
-        label, job, flops = f"MPT-{name} on {gpus}", (model, 2048, batch), palm_flops(num_params(model))
-        rows.append(published(LLM_FOUNDRY, label, job, layout, flops, tokens_per_s_per_gpu=tokens_per_s))
-    return rows
-
-
-BLOOM = Source(
-    name="BLOOM-176B, Megatron-DeepSpeed",
-    where="bigscience-workshop/bigscience train/tr11-176B-ml (README, chronicles.md: 105.22 s per iteration)",
-    convention="hardware FLOPs (SC'21 Eq. 3), % of 312 TFLOP/s; the iteration time as logged",
-    # DeepSpeed's ZeRO-1 bf16 optimizer; the Megatron-DeepSpeed of 2022 had neither sequence parallelism nor
-    # selective recomputation, and the run recomputed every block (its logged TFLOPs count it, SC'21 Eq. 3).
-    # Its pipeline cuts 70 layers into 12 stages, so stages of unequal counts; DeepSpeed's pipeline engine
-    # has no interleaved schedule.
-    features=dataclasses.replace(
-        MEGATRON_2021_SC21,
-        zero_stages=(1,),
-        uneven_stages=True,
-        interleaved_min_pp=None,
-        dp_overlap=False,  # DeepSpeed's ZeRO-1 reduces after the backward (no hooks: DeepSpeed PR 1246)
-        pp_exchange="each",  # its pipeline engine's sends and receives, each a blocking call
-    ),
-    profile=dataclasses.replace(A100, inter_node_bytes_per_s=400e9 / 8 / 8),  # 4 x 100 Gb/s Omni-Path a node
-    assumed="non-interleaved 1F1B; no sequence parallelism; 4 Omni-Path links of 100 Gb/s per node shared "
-    "by its 8 GPUs; the 70 layers 6 a stage, 5 on the last two (the last beside the output layer); "
-    "dropout, Megatron-DeepSpeed's default (tr11-176B-ml.slurm sets none)",
-)
-
-
-def bloom() -> list[Published]:
-    model = gpt(14336, 70, 112, 250880, 2048)
-    layout = Layout(4, 12, 8, 1, 2, 1, "full", False)
-    label, job = "176B tp4 pp12 dp8 on 384", (model, 2048, 2048)
-    return [published(BLOOM, label, job, layout, megatron_hardware_flops, step_s=105.22, dropout=True)]
-
-
-LLAMA3 = Source(
-    name="Llama 3 405B pre-training",
-    where="Llama 3 paper (arXiv 2407.21783) Table 4: its rows at sequence 8,192 and its long-context row "
-    "(sequence 131,072, context parallelism 16)",
-    convention="BF16 model FLOPs (PaLM's: 6N + 12 L h s), % of 989 TFLOP/s",
-    # FSDP keeping weights gathered; context parallelism all-gathers the keys and values, not overlapped.
-    features=dataclasses.replace(MEGATRON_CORE, zero_stages=(2,), cp_overlap=False, uneven_stages=True),
-    profile=H100,
-    assumed="N = 405e9; interleaving with 2 virtual stages per rank (the paper does not give V), its "
-    "126 layers one fewer on the first and the last stage (as the paper says: the stages balanced with "
-    "the embedding and the output layer, `stage_split` 'params'); no "
-    "recomputation (the paper says none at 8K); FSDP keeping weights gathered (ZeRO-2); at 131,072: DP 8, "
-    "as 16,384 GPUs over TP 8 x CP 16 x PP 16 leave (the table's DP 4 multiplies out to 8,192), and 128 "
-    "sequences a step (16M tokens, as on the other rows); its all-gather of keys and values priced as "
-    "the ring's transfers (the same bytes), not overlapped (the paper calls its latency exposed, small "
-    "beside the attention's work)",
-)
-
-
-def llama3() -> list[Published]:
-    model = llama(16384, 126, 128, 8, 53248, 128256, 8192)
-    rows = []
-    for dp, tflops in ((64, 430), (128, 400)):
-        layout = Layout(8, 16, dp, 2, 1, 2, "selective", True, stage_split="params")
-        label, job = f"405B tp8 pp16 dp{dp} on {layout.devices:,}", (model, 8192, 2048)
-        rows.append(published(LLAMA3, label, job, layout, palm_flops(405e9), tflops_per_gpu=tflops))
-    long_context = llama(16384, 126, 128, 8, 53248, 128256, 131072)
-    layout = Layout(8, 16, 8, 2, 1, 2, "selective", True, cp=16, stage_split="params")
-    label = f"405B tp8 pp16 dp8 cp16 on {layout.devices:,}, sequence 131,072"
-    job = (long_context, 131072, 128)  # 16M tokens a step, as on the rows at 8,192
-    rows.append(published(LLAMA3, label, job, layout, palm_flops(405e9), tflops_per_gpu=380))
-    return rows
-
-
-def model_size(model: ModelConfig) -> str:
-    billions = num_params(model) / 1e9
-    return f"{billions:.0f}B" if billions >= 10 else f"{billions:.1f}B"
-
-
-TABLES: tuple[Callable[[], list[Published]], ...] = (
-    sc21,
-    korthikanti,
-    megatron_core,
-    torchtitan,
-    llm_foundry,
-    bloom,
-    llama3,
-)
-
-
-def validation_rows() -> list[Published]:
-    return [row for table in TABLES for row in table()]
-
-
-def error_summary(rows: list[Published]) -> tuple[float, float, float]:
+def error_summary(rows: Sequence[Published]) -> tuple[float, float, float]:
     """The rows' mean absolute error, mean signed error and worst error, in points."""
     errors = [row.error_points for row in rows]
     return sum(map(abs, errors)) / len(errors), sum(errors) / len(errors), max(errors, key=abs)
 
 
-def render_markdown() -> str:
-    """Every validation row's published and predicted MFU, in its source's convention (docs/planning.md)."""
-    rows = validation_rows()
+def summary_markdown(tables: Sequence[Table], searched: bool = True) -> str:
+    """One line a table: its rows' errors and, with `searched`, how many of its published layouts the
+    search agrees with (`Published.search_agrees`)."""
     lines = [
-        "| source | run | published step (s) | predicted step (s) | published MFU | predicted MFU | error "
-        "(points) |",
-        "|---|---|---|---|---|---|---|",
+        "| set | table | system | rows | mean absolute error | mean signed error | worst | search agrees |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
-        predicted = row.predict().step_s
+    for table in tables:
+        mean_abs, mean, worst = error_summary(table.rows)
+        agrees = str(sum(row.search_agrees() for row in table.rows)) if searched else "-"
         lines.append(
-            f"| {row.source.name} | {row.label} | {row.step_s:.2f} | {predicted:.2f} | "
-            f"{100 * row.mfu:.1f}% | {100 * row.predicted_mfu:.1f}% | {row.error_points:+.1f} |"
+            f"| {table.source.set} | {table.source.name} | {table.system} | {len(table.rows)} | "
+            f"{mean_abs:.1f} | {mean:+.1f} | {worst:+.1f} | {agrees} |"
         )
-    mean_abs, mean, worst = error_summary(rows)
-    agreeing = sum(row.search_agrees() for row in rows)
-    lines += [
-        "",
-        f"{len(rows)} rows: mean absolute error {mean_abs:.1f} points, mean signed error {mean:+.1f}, "
-        f"worst {worst:+.1f}. The search, over the layouts each system can run, ranks the published layout "
-        f"among its first five splits of the devices or predicts it within 3 points of its own pick on "
-        f"{agreeing} of {len(rows)}.",
-    ]
     return "\n".join(lines) + "\n"
 
 
+def rows_markdown(table: Table) -> str:
+    """Every row of one table: published and predicted step time and MFU, in its source's convention."""
+    lines = [
+        f"#### {table.source.name}",
+        "",
+        "| run | published step (s) | predicted step (s) | published MFU | predicted MFU | error (points) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in table.rows:
+        lines.append(
+            f"| {row.label} | {row.step_s:.2f} | {row.predicted.step_s:.2f} | {100 * row.mfu:.1f}% | "
+            f"{100 * row.predicted_mfu:.1f}% | {row.error_points:+.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(
+    tables: Sequence[Table], row_sets: Sequence[str] = SETS[:2], searched: bool = True
+) -> str:
+    """The summary of every table, then the rows of the tables in `row_sets` (docs/planning.md)."""
+    parts = [summary_markdown(tables, searched)]
+    parts += [rows_markdown(table) for table in tables if table.source.set in row_sets]
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megascale.plan.validation", description=__doc__)
+    parser.add_argument(
+        "--data", type=Path, default=DATA, help=f"Folder of published tables (default {DATA})."
+    )
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        choices=SETS,
+        default=list(SETS[:2]),
+        help="Sets whose tables are printed row by row after the summary (default: paper validation).",
+    )
+    parser.add_argument("--table", help="Only the tables whose name or file contains this text.")
+    parser.add_argument(
+        "--no-search", action="store_true", help="Leave out the search's agreement (the slow part)."
+    )
+    args = parser.parse_args(argv)
+    tables = load_tables(args.data)
+    if args.table:
+        tables = [t for t in tables if args.table in t.source.name or args.table in t.source.file]
+    sys.stdout.write(render_markdown(tables, args.rows, searched=not args.no_search))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render_markdown())
+    sys.exit(main())

@@ -1,50 +1,18 @@
-"""Blocking pipelines priced as their own orders wait: DeepSpeed's engine, every send and receive a call
-of its own, and Megatron-LM's 1F1B, each send batched with the receive it waits for. The orders replayed
-here, call by call, are the independent reference."""
-
-import dataclasses
+"""A blocking pipeline priced as its order waits: Megatron-LM's 1F1B, each send batched with the receive it
+waits for. The order replayed here, call by call, is the independent reference."""
 
 import pytest
 
 from megascale.plan.hardware import PROFILES
-from megascale.plan.job import MEGATRON, Cluster, Job, Layout
-from megascale.plan.paper import MODEL_175B
-from megascale.plan.step import _pp_exposed_seconds, _pp_seconds, _sequential_pp_seconds, estimate_step
-from megascale.plan.validation import bloom
+from megascale.plan.job import Job, Layout
+from megascale.plan.step import _pp_exposed_seconds, _pp_seconds
+from megascale.plan.systems import MEGATRON
+from tests.plan.paper import MODEL_175B
 
 A100 = PROFILES["a100"]
 JOB = Job(MODEL_175B, seq_len=2048, global_batch=768)
 
 Call = tuple  # ("F" or "B", micro-batch), or ("x", messages): ("send" or "recv", neighbour stage) each
-
-
-def deepspeed_train_order(stages: int, micro_batches: int, stage: int) -> list[Call]:
-    """Stage `stage`'s calls in DeepSpeed's `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), each
-    send and receive a call of its own: 2 (m + p - 1) steps; on even steps even stages run a forward and
-    odd stages a backward, on odd steps the other way round; before a forward a stage receives its
-    activation and sends the gradient of the micro-batch of its previous step, before a backward it sends
-    that micro-batch's activation and receives its gradient."""
-    p, m, s = stages, micro_batches, stage
-    calls: list[Call] = []
-    previous = -1
-    for step in range(2 * (m + p - 1)):
-        forward = step % 2 == s % 2
-        if forward:
-            micro_batch = (step if step % 2 == 0 else step - 1) // 2 - s // 2
-        elif step % 2 == 0:
-            micro_batch = step // 2 - p + (s + 1) // 2
-        else:
-            micro_batch = (step - 1) // 2 - p + 1 + s // 2
-        valid, was_valid = 0 <= micro_batch < m, 0 <= previous < m
-        if forward and s > 0:
-            calls += [("x", (("recv", s - 1),))] if valid else []
-            calls += [("x", (("send", s - 1),))] if was_valid else []
-        if not forward and s < p - 1:
-            calls += [("x", (("send", s + 1),))] if was_valid else []
-            calls += [("x", (("recv", s + 1),))] if valid else []
-        calls += [("F" if forward else "B", micro_batch)] if valid else []
-        previous = micro_batch
-    return calls
 
 
 def megatron_blocking_order(stages: int, micro_batches: int, stage: int) -> list[Call]:
@@ -117,36 +85,6 @@ def waited(order, stages: int, micro_batches: int, forward_s: float, backward_s:
     return replayed_makespan(orders, forward_s, backward_s, transfer_s) - replayed_makespan(
         orders, forward_s, backward_s, 0.0
     )
-
-
-def estimate_with_exchange(row, exchange: str):
-    features = dataclasses.replace(row.source.features, pp_exchange=exchange)
-    return estimate_step(row.job, row.layout, features, row.source.profile, Cluster(row.gpus))
-
-
-@pytest.mark.parametrize("stages", [2, 3, 4, 7, 12])
-@pytest.mark.parametrize("micro_batches", [1, 2, 5, 16, 37])
-def test_one_blocking_call_at_a_time_waits_for_every_transfer_of_a_micro_batch(stages, micro_batches):
-    """Four transfers of each micro-batch through a stage with two neighbours, two with one, whatever the
-    forward, backward and transfer times: the replayed order's wait, exactly."""
-    transfer_s = 0.25
-    priced_s = _sequential_pp_seconds(Layout(pp=stages), micro_batches, 2 * transfer_s)
-    for forward_s, backward_s in ((1.0, 2.0), (1.0, 3.0), (1.3, 2.1)):
-        replayed = waited(deepspeed_train_order, stages, micro_batches, forward_s, backward_s, transfer_s)
-        assert priced_s == pytest.approx(replayed)
-
-
-def test_blooms_deepspeed_pipeline_waits_for_its_transfers_one_call_at_a_time():
-    """BLOOM's row (12 stages, 128 micro-batches, DeepSpeed's engine): the step's pipeline term is its
-    replayed order's wait at the row's own transfer time, and none of it rides in the bubble."""
-    row = bloom()[0]
-    estimate, paired = row.predict(), estimate_with_exchange(row, "paired")
-    m, stages = estimate.micro_batches, row.layout.pp
-    transfer_s = _pp_seconds(row.job, row.layout, row.source.profile, row.source.features) / 2
-    replayed = waited(deepspeed_train_order, stages, m, 1.0, 3.0, transfer_s)
-    assert estimate.terms_s["pp_exposed"] == pytest.approx(replayed)
-    assert estimate.terms_s["pp_exposed"] > 1.9 * paired.terms_s["pp_exposed"]
-    assert estimate.terms_s["bubble"] < paired.terms_s["bubble"]
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])

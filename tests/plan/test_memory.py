@@ -7,14 +7,15 @@ import pytest
 from megascale.plan.job import (
     FP32_WEIGHTS,
     FP32_WEIGHTS_BF16_GATHERS,
-    MEGASCALE_TRAINER,
     MIXED_BF16,
     Features,
     Job,
     Layout,
 )
 from megascale.plan.memory import activation_bytes_per_block, memory_per_device, stage_params
+from megascale.plan.systems import TRAINER
 from tests.parallel.tiny import tiny_model_config
+from tests.plan.paper import MODEL_175B
 
 # tiny: dim 64, 2 layers, vocabulary 96, 4 query / 2 key-value heads (head size 16), SwiGLU width 192.
 # One block: q and o 64x64 each, k and v 64x32 each = 12,288; MLP 3 x 64 x 192 = 36,864; two norms 128.
@@ -70,8 +71,6 @@ def test_bfloat16_gathers_hold_sharded_masters_and_the_gathered_copies():
 def test_a_gpt_block_keeps_korthikantis_34_sbh():
     """Korthikanti et al.'s Eq. 1-2 for a GPT block (multi-head attention, a 4h GeLU MLP, dropout):
     34 sbh at 2-byte activations, 10 sbh of it kept whole on every tp rank without sequence parallelism."""
-    from megascale.plan.paper import MODEL_175B
-
     s, b, h = 2048, 1, MODEL_175B.dim
     job = Job(MODEL_175B, s, 8, dropout=True)
     layout = Layout(micro_batch=b, recompute="none")
@@ -141,7 +140,6 @@ def test_materialised_attention_scores_are_kept_unless_recomputed():
     """Without a FlashAttention kernel the [heads, s, s] scores stay for the backward: Korthikanti et al.'s
     5 a s^2 b bytes a layer (over t) with dropout (the softmax's output, the mask, the dropped-out scores),
     2 without; selective recomputation drops them."""
-    from megascale.plan.paper import MODEL_175B
 
     job = Job(MODEL_175B, 2048, 64, dropout=True)
     layout = Layout(tp=8, pp=8, dp=1, recompute="none")
@@ -246,25 +244,6 @@ def test_offload_leaves_the_blocks_each_micro_batch_in_flight_keeps():
     assert offload_held_blocks(Layout(), blocks=2, in_flight=1, fetch_ahead=True) == 1  # nothing to fetch
 
 
-def test_offloading_some_blocks_of_each_chunk_keeps_the_rest():
-    """Megatron-Core's --cpu-offloading-num-layers: the first k blocks of each chunk offload and the
-    others keep their activations, beside the block fetched ahead; offload_blocks needs offload."""
-    from megascale.plan.experts import layout_problem
-    from megascale.plan.memory import offload_held_blocks
-
-    job = dataclasses.replace(JOB, model=tiny_model_config(n_layers=8), global_batch=16)
-    logits = 2 * 4 * 32 * 96
-    block = activation_bytes_per_block(job, Layout())
-    half = memory_per_device(job, Layout(offload=True, offload_blocks=4)).activations_bytes
-    assert half == pytest.approx((4 + 1) * block + logits)  # blocks 4-7 kept, one fetched ahead
-    held = offload_held_blocks(
-        Layout(virtual_stages=2, offload_blocks=3), blocks=8, in_flight=2, fetch_ahead=True
-    )
-    assert held == 2 * (8 - 3 * 2) + 1
-    assert "needs offload" in layout_problem(job, Layout(offload_blocks=4))
-    assert Layout(offload=True, offload_blocks=4).describe().endswith("offload(4 a chunk)")
-
-
 def test_full_recomputation_holds_every_blocks_input_and_the_recomputed_block_whole():
     """Under full recomputation a block keeps only its input, but the block in its backward recomputes
     its forward and holds all of that until its gradients are done: the offload benchmark's full-
@@ -299,7 +278,7 @@ def test_a_single_micro_batch_peaks_where_held_activations_and_gradients_made_we
     at_loss, in_last_block = activations + logits, activations + 4 * (EMBEDDINGS + BLOCK)
     assert plain.activations_bytes + plain.grads_bytes == max(at_loss, in_last_block)
     full = Layout(micro_batch=b, recompute="full", offload=True)
-    peak = memory_per_device(job, full, MEGASCALE_TRAINER, on_cpu=True)
+    peak = memory_per_device(job, full, TRAINER, on_cpu=True)
     whole = trainer_block_bytes(job, dataclasses.replace(full, recompute="none"), on_cpu=True)
     assert peak.activations_bytes == pytest.approx(trainer_block_bytes(job, full) + whole)
     assert peak.grads_bytes == pytest.approx(memory_per_device(JOB, full).grads_bytes)  # all of them

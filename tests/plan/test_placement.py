@@ -6,8 +6,8 @@ import pytest
 from megascale.layout import MESH_ORDERS
 from megascale.plan.hardware import PROFILES
 from megascale.plan.job import Layout
-from megascale.plan.paper import LAYOUT_175B
 from megascale.plan.placement import choose_rank_order, place, rank_coordinates
+from tests.plan.paper import LAYOUT_175B
 
 A100 = PROFILES["a100"]
 

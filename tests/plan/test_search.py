@@ -6,9 +6,7 @@ import pytest
 
 from megascale.errors import ConfigError
 from megascale.plan.hardware import PROFILES
-from megascale.plan.holdout import HOLDOUT_TABLES
-from megascale.plan.job import MEGASCALE, Cluster, Job
-from megascale.plan.paper import MODEL_175B, with_ptb_swa
+from megascale.plan.job import Cluster, Job
 from megascale.plan.search import (
     MEMORY_HEADROOM,
     MIN_CONTEXT_POSITIONS,
@@ -18,7 +16,9 @@ from megascale.plan.search import (
     memory_limit_bytes,
     search,
 )
-from megascale.plan.validation import validation_rows
+from megascale.plan.systems import MEGASCALE, MEGATRON, MEGATRON_CORE
+from megascale.plan.validation import DATA, load_table, load_tables
+from tests.plan.paper import MODEL_175B, gpt, with_ptb_swa
 
 A100 = PROFILES["a100"]
 JOB = Job(with_ptb_swa(MODEL_175B), seq_len=2048, global_batch=768)
@@ -88,7 +88,6 @@ def test_the_search_offers_only_the_zero_stages_the_system_has():
     plans = search(JOB, Cluster(1024), A100, plain)
     assert {plan.layout.zero_stage for plan in plans if plan.layout.dp > 1} == {0}
     assert {plan.layout.zero_stage for plan in search(JOB, Cluster(1024), A100, MEGASCALE)} <= {1, 2, 3}
-    from megascale.plan.validation import gpt
 
     small = Job(gpt(2048, 24, 16, 51200, 2048), 2048, 1024)
     fsdp_only = dataclasses.replace(MEGASCALE, model_parallel=False)
@@ -112,9 +111,8 @@ def test_context_parallelism_is_offered_for_long_sequences_only():
 
 def test_the_search_offers_only_the_recomputation_and_sequence_parallelism_the_system_has():
     """Megatron-LM as SC'21 ran it: no sequence parallelism, and every block recomputed."""
-    from megascale.plan.systems import MEGATRON_2021_SC21
-
-    plans = search(JOB, Cluster(1024), A100, MEGATRON_2021_SC21)
+    sc21 = load_table(DATA / "sc21-table1.toml").rows[0].features
+    plans = search(JOB, Cluster(1024), A100, sc21)
     assert {plan.layout.recompute for plan in plans} == {"full"}
     assert not any(plan.layout.sequence_parallel for plan in plans)
     offered = candidate_layouts(JOB, 1024, A100, {}, ("none", "op"), MEGASCALE)
@@ -126,17 +124,16 @@ def test_the_search_interleaves_from_the_fewest_stages_the_system_interleaves_ov
     """Megatron-LM of 2021 interleaves from pp 3, Megatron-Core 0.8 from pp 2 (its transfers overlapped):
     on Megatron-Core's 70B row (84 layers, 8 micro-batches over pp 2) the published split tp8 pp2 can then
     run 21 chunks of two layers, which puts it among the search's first five splits."""
-    from megascale.plan.systems import MEGATRON_2021, MEGATRON_CORE
-
     chunks = {
         features.interleaved_min_pp: {
             layout.virtual_stages
             for layout in candidate_layouts(JOB, 1024, A100, {"pp": 2}, ("full",), features)
         }
-        for features in (MEGATRON_2021, MEGATRON_CORE)
+        for features in (MEGATRON, MEGATRON_CORE)
     }
     assert chunks[3] == {1} and max(chunks[2]) == 48  # 96 layers over 2 stages, down to one a chunk
-    row = next(row for row in validation_rows() if row.label == "70B tp8 pp2 on 768")
+    rows = load_table(DATA / "megatron-core-r0.8-h100.toml").rows
+    row = next(row for row in rows if row.label == "70B tp8 pp2 on 768")
     top = [(plan.layout.tp, plan.layout.pp) for plan in fastest_per_split(row.searched_plans())[:5]]
     assert (8, 2) in top and row.search_agrees()
 
@@ -145,14 +142,14 @@ def test_the_search_finds_a_layout_at_least_as_fast_as_every_published_one_it_co
     # Tuned runs use micro-batches that are no power of two (llm-foundry's MPT-7b at 6 a GPU, MPT-1b at
     # 12) and one layer a chunk (NeMo's Llama 2 70B at pp 4, 20 chunks); a published layout that fits the
     # memory model and the search's context-parallel floor is among the candidates, so the pick is never
-    # predicted slower than it.
-    rows = validation_rows() + [row for make_rows in HOLDOUT_TABLES.values() for row in make_rows()]
+    # predicted slower than it (activation offload is not searched).
+    rows = [row for table in load_tables() for row in table.rows]
     slower = []
     for row in rows:
-        published, layout = row.predict(), row.layout
-        if published.memory.total_bytes > memory_limit_bytes(row.source.profile, row.gpus):
+        published, layout = row.predicted, row.layout
+        if published.memory.total_bytes > memory_limit_bytes(row.profile, row.gpus):
             continue
-        if layout.cp > 1 and row.seq_len // layout.cp < MIN_CONTEXT_POSITIONS:
+        if layout.offload or layout.cp > 1 and row.job.seq_len // layout.cp < MIN_CONTEXT_POSITIONS:
             continue
         try:
             plans = row.searched_plans()
@@ -171,29 +168,3 @@ def test_each_split_is_listed_once_at_its_fastest():
     for plan in listed:
         assert plan.estimate.step_s == min(p.estimate.step_s for p in plans if p.split == plan.split)
     assert len(listed) < len(plans)
-
-
-def test_a_system_that_recomputes_some_blocks_gets_the_fewest_that_fit():
-    """Where recomputing nothing does not fit and recomputing every block does, a system with Megatron's
-    block-wise recomputation (`Features.partial_recompute`) gets the layout recomputing the fewest blocks
-    of each chunk that fit: one fewer would not, and it is faster than recomputing them all."""
-    from megascale.plan.step import estimate_step
-
-    job = dataclasses.replace(JOB, global_batch=64)
-    cluster, fixed = Cluster(64), {"tp": 8, "pp": 4, "micro_batch": 1, "virtual_stages": 1}
-    features = dataclasses.replace(
-        MEGASCALE, recomputes=("none", "full"), partial_recompute=True, zero_stages=(1,)
-    )
-    limit = memory_limit_bytes(A100, 64)
-    plans = search(job, cluster, A100, features, fixed=fixed)
-    partial = [plan for plan in plans if plan.layout.recompute_blocks]
-    assert partial, "the 175B model's 24 blocks a stage do not fit on 64 A100s without recomputing"
-    plan = partial[0]
-    fewer = dataclasses.replace(plan.layout, recompute_blocks=plan.layout.recompute_blocks - 1)
-    if fewer.recompute_blocks == 0:
-        fewer = dataclasses.replace(fewer, recompute="none")
-    assert estimate_step(job, fewer, features, A100, cluster).memory.total_bytes > limit
-    everything = dataclasses.replace(plan.layout, recompute_blocks=0)
-    assert plan.estimate.step_s < estimate_step(job, everything, features, A100, cluster).step_s
-    without = search(job, cluster, A100, dataclasses.replace(features, partial_recompute=False), fixed=fixed)
-    assert not any(plan.layout.recompute_blocks for plan in without)

@@ -6,10 +6,11 @@ import pytest
 
 from megascale.errors import ConfigError
 from megascale.plan.hardware import PROFILES
-from megascale.plan.job import MEGASCALE, Cluster, Job, Layout
+from megascale.plan.job import Cluster, Job, Layout
 from megascale.plan.stages import RankShare, rank_shares
 from megascale.plan.step import estimate_step
-from megascale.plan.validation import llama
+from megascale.plan.systems import MEGASCALE, MEGATRON, TRAINER
+from tests.plan.paper import llama
 
 LLAMA_405B = Job(llama(16384, 126, 128, 8, 53248, 128256, 8192), seq_len=8192, global_batch=2048)
 H100 = PROFILES["h100"]
@@ -65,7 +66,6 @@ def test_a_configs_pp_split_reaches_the_layout_and_the_overrides():
 
 
 def test_the_search_tries_uneven_stages_and_interleaving_only_for_a_system_that_runs_them():
-    from megascale.plan.job import MEGASCALE_TRAINER, MEGATRON
     from megascale.plan.search import candidate_layouts
 
     job = dataclasses.replace(LLAMA_405B, model=dataclasses.replace(LLAMA_405B.model, n_layers=126))
@@ -79,5 +79,5 @@ def test_the_search_tries_uneven_stages_and_interleaving_only_for_a_system_that_
     assert (4, 1) not in pipelines(evenly) and (2, 7) in pipelines(evenly)  # 126 = 2 x 7 x 9
     # Megatron-LM interleaves over more than 2 stages only; DeepSpeed's pipeline engine never does.
     assert pipelines(MEGATRON) == {(1, 1), (2, 1)}
-    assert {(2, 2), (4, 2)} <= pipelines(MEGASCALE_TRAINER)
+    assert {(2, 2), (4, 2)} <= pipelines(TRAINER)
     assert {v for _, v in pipelines(dataclasses.replace(MEGASCALE, interleaved_min_pp=None))} == {1}

@@ -14,17 +14,15 @@ from megascale.plan.hardware import PROFILES
 from megascale.plan.job import (
     FP32_WEIGHTS,
     FP32_WEIGHTS_BF16_GATHERS,
-    MEGASCALE,
-    MEGASCALE_TRAINER,
-    MEGATRON,
     Cluster,
     Features,
     Job,
     Layout,
     layout_from_config,
 )
-from megascale.plan.paper import LAYOUT_175B, MODEL_175B, with_ptb_swa
 from megascale.plan.step import _pp_seconds, estimate_step
+from megascale.plan.systems import MEGASCALE, MEGATRON, TRAINER
+from tests.plan.paper import LAYOUT_175B, MODEL_175B, llama, with_ptb_swa
 
 A100 = PROFILES["a100"]
 JOB = Job(with_ptb_swa(MODEL_175B), seq_len=2048, global_batch=768)
@@ -155,7 +153,7 @@ def test_under_a_pipeline_fsdp_reduce_scatters_once_a_step_and_zero_3_gathers_on
     def dp_s(pp: int, zero_stage: int, micro_batches: int) -> float:
         layout = Layout(pp=pp, dp=2, micro_batch=1, zero_stage=zero_stage, recompute="none")
         job = Job(model, seq_len=256, global_batch=2 * micro_batches, dtype="bfloat16")
-        return estimate_step(job, layout, MEGASCALE_TRAINER, A100, Cluster(2 * pp)).terms_s["dp_exposed"]
+        return estimate_step(job, layout, TRAINER, A100, Cluster(2 * pp)).terms_s["dp_exposed"]
 
     assert dp_s(2, 2, 8) == pytest.approx(dp_s(2, 2, 1))  # one reduce-scatter, one gather a step
     gather_s = dp_s(2, 3, 1) - dp_s(2, 2, 1)  # ZeRO-3's second gather of one micro-batch
@@ -176,13 +174,13 @@ def test_megascales_trainer_prices_its_attention_at_the_measured_curve_and_flash
         return estimate_step(job, layout, features, profile, Cluster(1)).terms_s["attention"]
 
     h100, a100 = PROFILES["h100"], PROFILES["a100"]
-    trainer = attention_s(MEGASCALE_TRAINER, h100)
+    trainer = attention_s(TRAINER, h100)
     assert trainer == pytest.approx(attention_s(MEGASCALE, h100))
-    flash2 = dataclasses.replace(MEGASCALE_TRAINER, attention_kernel="flash2")
-    flash1 = dataclasses.replace(MEGASCALE_TRAINER, attention_kernel="flash")
+    flash2 = dataclasses.replace(TRAINER, attention_kernel="flash2")
+    flash1 = dataclasses.replace(TRAINER, attention_kernel="flash")
     assert attention_s(flash2, h100) == pytest.approx(trainer / 0.62)
     assert attention_s(flash1, h100) == pytest.approx(2 * trainer / 0.62)
-    assert attention_s(flash2, a100) == pytest.approx(attention_s(MEGASCALE_TRAINER, a100))
+    assert attention_s(flash2, a100) == pytest.approx(attention_s(TRAINER, a100))
     assert attention_s(flash1, a100) == pytest.approx(2 * attention_s(flash2, a100))
 
 
@@ -308,7 +306,6 @@ def test_torchtitans_selective_op_checkpointing_recomputes_every_second_matmul_a
     """Llama 3 8B: of q, k, v, o and the MLP's gate, up and down projections, 'op' recomputes the forward
     of k, o and up (79.7M of the block's 218.1M weights) and every element-wise operator's."""
     from megascale.plan.compute import block_time
-    from megascale.plan.validation import llama
 
     job = Job(llama(4096, 32, 32, 8, 14336, 128256, 8192), seq_len=8192, global_batch=64)
     layout = Layout(dp=64, recompute="op", sequence_parallel=False)
@@ -590,30 +587,3 @@ def test_megatrons_column_parallel_backward_hides_two_collectives_a_pair_behind_
     assert exposed - exposed_hidden == pytest.approx(
         micro_batches * blocks_per_micro_batch * gemms_hiding * (attention_gemm_s + mlp_gemm_s)
     )
-
-
-def test_recomputing_some_blocks_of_each_chunk_costs_and_saves_their_share():
-    """Megatron's block-wise recomputation (`Layout.recompute_blocks`): with 1 of each chunk's 2 blocks
-    recomputed, the recomputation, the repeated forward collectives and the activations kept are each
-    halfway between recomputing none and recomputing all."""
-    from megascale.plan.experts import layout_problem
-    from megascale.plan.memory import activation_bytes_per_block
-    from megascale.plan.step import pair_collectives
-
-    base = Layout(tp=8, pp=8, dp=4, virtual_stages=6, micro_batch=1, zero_stage=1)  # 96 blocks: 2 a chunk
-    none, full = (dataclasses.replace(base, recompute=kind) for kind in ("none", "full"))
-    half = dataclasses.replace(full, recompute_blocks=1)
-    assert half.recomputed_share(JOB) == 0.5 and half.describe().endswith("recompute=full(1 a chunk)")
-    steps = {
-        name: estimate_step(JOB, layout, MEGATRON, A100, Cluster(256))
-        for name, layout in (("none", none), ("half", half), ("full", full))
-    }
-    assert steps["half"].terms_s["recompute"] == pytest.approx(steps["full"].terms_s["recompute"] / 2)
-    assert steps["none"].terms_s["recompute"] == 0
-    assert pair_collectives(JOB, half) == (pair_collectives(JOB, none) + pair_collectives(JOB, full)) / 2
-    kept = [activation_bytes_per_block(JOB, layout) for layout in (none, half, full)]
-    assert kept[1] == pytest.approx((kept[0] + kept[2]) / 2)
-    assert steps["none"].memory.activations_bytes > steps["half"].memory.activations_bytes
-    assert steps["half"].memory.activations_bytes > steps["full"].memory.activations_bytes
-    assert layout_problem(JOB, dataclasses.replace(none, recompute_blocks=1))  # only with full
-    assert layout_problem(JOB, dataclasses.replace(half, offload=True))
