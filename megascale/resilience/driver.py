@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megascale.checkpoint.manifest import list_checkpoints
 from megascale.config import JobConfig
 from megascale.errors import ConfigError
 from megascale.resilience.diagnostics import slower_than_peers
@@ -152,7 +153,7 @@ class Driver(NodeControl):
         if failed:
             self.replenish()
             return "evicted"
-        checkpoint_step = self._newest_checkpoint_step(verified=False)
+        checkpoint_step = self._newest_committed_step()
         self.events.write("restart", attempt=attempt + 1, checkpoint_step=checkpoint_step, standby=True)
         for node in nodes:
             self._command(node, "activate", attempt=attempt + 1)
@@ -367,7 +368,7 @@ class Driver(NodeControl):
             nodes = self.healthy_nodes()[: self.res.nodes]
             # The newest checkpoint in storage; the ranks may resume from a newer snapshot still in their
             # nodes' memory (`recovered` says where they did).
-            self.events.write("restart", attempt=attempt, checkpoint_step=self._newest_checkpoint_step())
+            self.events.write("restart", attempt=attempt, checkpoint_step=self.verified_checkpoint_step())
 
     def _blame(self, fault: Fault) -> dict[str, Any] | None:
         """Who a fault that passes every self-check is put on: after a hang, the ranks it waits for (the
@@ -420,13 +421,9 @@ class Driver(NodeControl):
             self.events.write("evict", node=blamed_out, reason=f"blamed for {HANGS_TO_EVICT} hangs")
         self.replenish()
 
-    def _newest_checkpoint_step(self, verified: bool = True) -> int:
-        """The step of the newest committed checkpoint, read back and checked when `verified` (the
-        standby's restart does not read storage, so neither does its event)."""
-        from megascale.checkpoint.manifest import list_checkpoints
-
-        if verified:
-            return self.verified_checkpoint_step()
+    def _newest_committed_step(self) -> int:
+        """The step of the newest committed checkpoint, not read back (the standby's restart does not read
+        storage, so neither does its event)."""
         checkpoints = list_checkpoints(self._checkpoint_root())
         return checkpoints[-1][0] if checkpoints else 0
 

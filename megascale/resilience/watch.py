@@ -67,7 +67,7 @@ def behind(reports: dict[str, dict[str, Any]]) -> list[int]:
 
 
 def killed_by_signal(beat: dict[str, Any]) -> bool:
-    """Whether torchrun's failure summary on this node names a rank that a primary signal ended."""
+    """Whether a primary signal ended a rank on this node (the heartbeat's `signalled`: agent.py's record)."""
     return any(name not in SECONDARY_SIGNALS for name in beat.get("signalled", {}).values())
 
 

@@ -212,23 +212,3 @@ def test_without_a_primary_signal_the_fault_is_the_first_node_to_exit(tmp_path):
     driver.store = Beats(beats)
     fault = driver.watch(["host-a", "host-b"], attempt=0)
     assert (fault.kind, fault.node, fault.extra["also_failed"]) == ("process_exit", "host-b", ["host-a"])
-
-
-def test_the_executor_reads_the_signalled_ranks_from_torchruns_failure_summary(tmp_path):
-    """The summary text is torch's own (ChildFailedError), so a change of its format fails here."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    from megascale.resilience.executor import Executor
-
-    failures = {
-        2: ProcessFailure(local_rank=0, pid=101, exitcode=1, error_file=str(tmp_path / "none.json")),
-        3: ProcessFailure(local_rank=1, pid=102, exitcode=-9, error_file=str(tmp_path / "none.json")),
-    }
-    log_path = tmp_path / "output.log"
-    log_path.write_text("step 5\n" + ChildFailedError("megascale.cli", failures).format_msg() + "\n")
-    executor = Executor.__new__(Executor)  # only the log reading: no store, no torchrun
-    executor.log_path, executor.log_offset, executor.errors = log_path, 0, []
-    executor.signalled, executor._failed_rank = {}, None
-    executor._scan_log()
-    assert executor.signalled == {"3": "SIGKILL"}
-    assert any("exitcode" in line for line in executor.errors)
