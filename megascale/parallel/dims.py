@@ -323,12 +323,14 @@ class ParallelDims:
                 f"x pp_virtual_stages = {par.pp_virtual_stages} gives {stages} "
                 f"stages, more than model.n_layers = {model.n_layers}" + _valid("parallel.pp", fits),
             )
-        if self.pp > 1 and model.tie_embeddings:
+        if self.pp > 1 and model.tie_embeddings and par.pp_schedule not in V_SCHEDULES:
             fail(
                 "model.tie_embeddings",
                 True,
-                f"cannot be used with parallel.pp = {self.pp}: the embedding and the output layer live "
-                "on different stages; set --model.tie_embeddings=false",
+                f"cannot be used with parallel.pp = {self.pp} and parallel.pp_schedule = "
+                f"{par.pp_schedule!r}: the embedding and the output layer live on different ranks; set "
+                f"--model.tie_embeddings=false, or a schedule whose V holds both on one rank "
+                f"({', '.join(V_SCHEDULES)})",
             )
         if par.pp_schedule in V_SCHEDULES:
             self._validate_v_schedule(cfg)
@@ -391,6 +393,16 @@ class ParallelDims:
                 f"cannot be used with parallel.pp_schedule = {schedule} and data parallelism: torch 2.13's "
                 "schedule loses the deferred weight gradients of a stage whose parameters FSDP frees "
                 "after the forward; set --parallel.zero_stage=2",
+            )
+
+        if cfg.model.tie_embeddings and self.fsdp_ranks > 1:
+            fail(
+                "model.tie_embeddings",
+                True,
+                f"cannot be used with parallel.pp_schedule = {schedule} and FSDP over {self.fsdp_ranks} "
+                "data-parallel ranks: the V's first and last stage are each sharded on their own, and "
+                "their shared weight cannot be in both; set --model.tie_embeddings=false, or "
+                "--parallel.dp_shard=1 --parallel.dp_replicate=1",
             )
 
     def _validate_float8(self, cfg: JobConfig) -> None:

@@ -29,7 +29,7 @@ from megascale.parallel.float8 import gather_float8_as_bytes
 from megascale.parallel.offload import ActivationOffload, apply_activation_offload
 from megascale.parallel.pipeline import build_schedule, build_stage_module, stage_layer_ranges
 from megascale.parallel.step import ParallelModel, PipelinedModel
-from megascale.parallel.tensor import apply_tensor_parallel
+from megascale.parallel.tensor import apply_tensor_parallel, tied_parameters
 
 
 def parallelize(
@@ -121,7 +121,7 @@ def _routing_groups(dims: ParallelDims) -> list[ProcessGroup]:
 def _stages(model: nn.Module, stage_ids: list[int], num_stages: int, par: ParallelConfig) -> list[nn.Module]:
     """This rank's pipeline stages: copies of `model` keeping only their layers."""
     ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=sharding.BLOCKS)
-    return [
+    parts = [
         build_stage_module(
             model,
             ranges[stage_id],
@@ -133,6 +133,28 @@ def _stages(model: nn.Module, stage_ids: list[int], num_stages: int, par: Parall
         )
         for stage_id in stage_ids
     ]
+    _tie_across(parts, tied_parameters(model))
+    return parts
+
+
+def _tie_across(parts: list[nn.Module], tied: list[list[str]]) -> None:
+    """A parameter the model shares between modules in two stages of this rank (the embedding and the
+    output layer of a V schedule's first and last stage) is one parameter again: each stage is its own
+    copy of the model. Its gradient then accumulates from both stages, as in one process. Stages on
+    other ranks cannot share one (ParallelDims.validate refuses it)."""
+    for names in tied:
+        held = [(part, name) for part in parts for name in names if _holds(part, name)]
+        for part, name in held[1:]:
+            owner, _, attribute = name.rpartition(".")
+            part.get_submodule(owner).register_parameter(attribute, held[0][0].get_parameter(held[0][1]))
+
+
+def _holds(part: nn.Module, name: str) -> bool:
+    owner, _, attribute = name.rpartition(".")
+    try:
+        return isinstance(getattr(part.get_submodule(owner), attribute, None), nn.Parameter)
+    except AttributeError:  # a module this stage dropped (None) or never had
+        return False
 
 
 def _shard(

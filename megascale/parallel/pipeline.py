@@ -154,8 +154,14 @@ def build_schedule(
         for module, stage_id in zip(stage_modules, stage_ids)
     ]
     if schedule in V_SCHEDULES:  # on torch's runtime: receives posted early, sends waited on late
+        # Each stage would divide its own parameters' gradients, a parameter two stages of the rank share
+        # (tied embeddings) twice, and the first time before the other stage's last backward: the caller
+        # scales once, after the step (`scale_grads` False: PipelinedModel.forward_backward).
         v_schedule = V_SCHEDULES[schedule](
-            cast(list[_PipelineStageBase], stages), n_microbatches=microbatches, loss_fn=loss_fn
+            cast(list[_PipelineStageBase], stages),
+            n_microbatches=microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,
         )
         return v_schedule, stages
     if schedule != "gpipe":

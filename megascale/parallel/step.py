@@ -94,7 +94,8 @@ class ParallelModel:
         return 1
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return (param for part in self.parts for param in part.parameters())
+        """Every part's parameters, each once (two stages of a rank may share one: tied embeddings)."""
+        return iter({id(param): param for part in self.parts for param in part.parameters()}.values())
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
@@ -254,7 +255,12 @@ class PipelinedModel(ParallelModel):
     def forward_backward(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:
         """All micro-batches through the schedule, forward and backward (it scales the gradients by
         1/micro-batches); the mean loss on the last stage, 0 elsewhere."""
-        return self._run(self.schedule.step, batches, loss_fn)
+        loss = self._run(self.schedule.step, batches, loss_fn)
+        if not self.schedule.scale_grads:  # the gradients of the micro-batches' mean loss, each once
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.microbatches)
+        return loss
 
     @torch.no_grad()
     def evaluate(self, batches: Batches, loss_fn: LossFn) -> torch.Tensor:

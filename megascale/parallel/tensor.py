@@ -133,7 +133,7 @@ def apply_tensor_parallel(
     `overlap_chunks` (and sequence parallelism) the MLPs and the attention projections overlap their
     communication in that many sequence chunks (tensor_overlap.py). Blocks holding an MoE layer take
     `routed_block_plan`."""
-    tied = _tied_parameters(model)
+    tied = tied_parameters(model)
     for block in model.get_submodule(blocks).children():
         plan = block_plan
         if routed_block_plan is not None and any(isinstance(module, MoE) for module in block.modules()):
@@ -166,7 +166,7 @@ class SequenceShards(WholeSequences):
         return torch.stack(parts[: self.rank]).sum(0) if self.rank else torch.zeros_like(counts)
 
 
-def _tied_parameters(model: nn.Module) -> list[list[str]]:
+def tied_parameters(model: nn.Module) -> list[list[str]]:
     """The fully-qualified names of each parameter that more than one module holds (tied embeddings)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,33 @@ TOLERANCES = {
 # with one expert a token differed by at most 6.1e-4 in loss but for two such jumps, 4.6e-3 and 1.2e-2 (the
 # larger's row matches to 4.8e-7 in float32); the loss bound of such a row is twice the larger jump.
 ROUTED_LOSS = 2.5e-2
+# One process in float32, whatever its micro-batches: the step is the same sums in another order, a few
+# ulps of a loss of about 5 (1e-6 relative) and of the gradient norm.
+ONE_PROCESS_FLOAT32 = Tolerance(5e-6, 1e-6)
+
+# The micro-batch alone, in one process: the step's 8 sequences in 1 or 2 (against the reference's 8) a
+# micro-batch, in every precision, of a dense model and of an MoE model with a capacity (whose drops are
+# per sequence), each against one micro-batch of the whole step. Tensorwise float8 scales each
+# micro-batch's activations and output gradients by that micro-batch's maximum, so its rows differ by the
+# rounding of other scales, within the float8 bound.
+MICRO_BATCH_SIZES = (1, 2)
+MICRO_BATCH_PRECISIONS = (
+    {"training.dtype": "float32"},
+    {"training.dtype": "bfloat16"},
+    {"training.dtype": "bfloat16", "training.fp8": "tensorwise"},
+    {"training.dtype": "bfloat16", "training.fp8": "rowwise"},
+)
+MICRO_BATCH_MODELS = ({}, {"model.moe.experts": 4, "model.moe.capacity_factor": 1.0})
+
+
+def micro_batch_rows() -> list[Row]:
+    """The one-process rows of micro-batch sizes x precisions x models (above)."""
+    return [
+        config_space.default_row() | precision | model | {"training.micro_batch_size": size}
+        for precision in MICRO_BATCH_PRECISIONS
+        for model in MICRO_BATCH_MODELS
+        for size in MICRO_BATCH_SIZES
+    ]
 
 
 def layers(row: Row) -> int:
@@ -380,6 +408,8 @@ def compare(
     tolerance = Tolerance(max(t.loss for t in bounds), max(t.grad_norm for t in bounds))
     if row["model.moe.experts"] and precisions != {"float32"}:
         tolerance = Tolerance(max(tolerance.loss, ROUTED_LOSS), tolerance.grad_norm)
+    if precisions == {"float32"} and config_space.world_size(row) == 1:
+        tolerance = ONE_PROCESS_FLOAT32
     result = Result(row, config_space.world_size(row), "matched")
     result.loss = _largest(_by_step(got, "loss"), _by_step(reference, "loss"))
     result.grad_norm = _largest(_by_step(got, "grad_norm"), _by_step(reference, "grad_norm"), relative=True)
@@ -496,7 +526,7 @@ COLUMNS = ("#", "processes", "knobs (active, not default)", "result", "loss", "g
 COLUMNS += ("resumed", "export", "s")
 
 
-def render(results: list[Result], cover: Covering, command: str) -> str:
+def render(results: list[Result], cover: Covering, command: str, micro: Sequence[Result] = ()) -> str:
     """The Markdown table of a matrix run: what was compared, then every combination and every refusal."""
     ran = [r for r in results if r.status != "refused"]
     count = {status: sum(r.status == status for r in results) for status in ("matched", "MISMATCH", "CRASH")}
@@ -531,6 +561,20 @@ def render(results: list[Result], cover: Covering, command: str) -> str:
         figures = [_figure(value) for value in (r.loss, r.grad_norm, r.val_loss, r.resumed, r.export)]
         cells = [str(index), str(r.processes), f"`{describe(r.row)}`", status, *figures, f"{r.seconds:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if micro:
+        lines += ["", "## The micro-batch alone", ""]
+        text = (
+            "One process, the step's 8 sequences in micro-batches of 1 or 2, against one micro-batch of 8, "
+            f"in each precision, dense and MoE with a capacity. Bounds as above; float32 in one process: "
+            f"{ONE_PROCESS_FLOAT32.loss:.0e} on losses, {ONE_PROCESS_FLOAT32.grad_norm:.0e} relative on "
+            "the gradient norm."
+        )
+        lines += [textwrap.fill(text, 110), ""]
+        lines += ["| combination | status | loss | grad norm | val loss |", "|---|---|---:|---:|---:|"]
+        for r in micro:
+            status = r.status if r.status == "matched" else f"**{r.status}**: {r.message}"
+            figures = [_figure(value) for value in (r.loss, r.grad_norm, r.val_loss)]
+            lines.append(f"| `{describe(r.row)}` | {status} | " + " | ".join(figures) + " |")
     refused = [r for r in results if r.status == "refused"]
     lines += ["", "## Refused", ""]
     if cover.strength == 2:
@@ -578,15 +622,23 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             _write(out, results, cover, command)  # after each: an interrupted run keeps what it ran
+        micro = []
+        for index, row in enumerate(micro_batch_rows() if args.strength == 2 else [], start=len(results)):
+            micro.append(matrix.run(index, row))
+            print(f"micro-batch {micro[-1].status:8s} {describe(row)} {micro[-1].message}", flush=True)
+        _write(out, results, cover, command, micro)
+        results += micro
     print(f"wrote {out}")
     return 0 if all(r.status in ("matched", "refused") for r in results) else 1
 
 
-def _write(out: Path, results: list[Result], cover: Covering, command: str) -> None:
+def _write(
+    out: Path, results: list[Result], cover: Covering, command: str, micro: Sequence[Result] = ()
+) -> None:
     """The table, and the results as JSON: for triples only the combinations that ran (their refusals,
     thousands, are in the table, each once)."""
-    out.write_text(render(results, cover, command))
-    kept = [r for r in results if cover.strength == 2 or r.status != "refused"]
+    out.write_text(render(results, cover, command, micro))
+    kept = [r for r in [*results, *micro] if cover.strength == 2 or r.status != "refused"]
     records = [{**dataclasses.asdict(r), "export": r.export} for r in kept]
     out.with_suffix(".json").write_text(json.dumps(records, indent=1, default=str))
 

@@ -229,10 +229,13 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "tied embeddings without a pipeline",
-        ("model.tie_embeddings", "parallel.pp"),
-        "no tied embeddings with pp > 1 (embedding and output layer are on different stages)",
-        lambda job: job["model.tie_embeddings"] and _pp(job) > 1,
+        "tied embeddings with a pipeline only in a V",
+        ("model.tie_embeddings", "parallel.pp", "parallel.pp_schedule"),
+        "tied embeddings with pp > 1 only with zbv / dualpipev (their V holds the embedding and the output "
+        "layer on one rank), and there without FSDP's data parallelism",
+        lambda job: (
+            job["model.tie_embeddings"] and _pp(job) > 1 and (not _v_schedule(job) or _data_ranks(job) > 1)
+        ),
     ),
     Rule(
         "float8 layers not beside the overlapped tensor-parallel GEMMs",

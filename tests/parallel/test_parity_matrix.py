@@ -8,9 +8,10 @@ import pytest
 
 from megascale.cli import main
 from tests.parallel import config_space
-from tests.parallel.parity_matrix import BASE, Matrix, arguments, covering, describe
+from tests.parallel.parity_matrix import BASE, Matrix, arguments, covering, describe, micro_batch_rows
 
 COVER = covering(2)
+MICRO_BATCHES = micro_batch_rows()
 # Each row for 6 steps here (its checkpoint at 3), against the table's 10: a layout that breaks parity
 # does so from its first steps, and 55 rows of up to 8 processes are a quarter of the suite's time.
 SUITE_STEPS = 6
@@ -34,6 +35,14 @@ def test_a_combination_trains_the_model_of_one_process(matrix, index):
         f"{describe(row)}: {result.status}; loss {result.loss:.1e}, grad norm {result.grad_norm:.1e}, "
         f"val loss {result.val_loss:.1e}, resumed {result.resumed:.1e}, export {result.export}"
     )
+    assert result.status == "matched", result.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", MICRO_BATCHES, ids=[describe(row) for row in MICRO_BATCHES])
+def test_the_micro_batch_alone_does_not_change_the_model_of_one_process(matrix, row):
+    result = matrix.run(len(COVER.accepted) + MICRO_BATCHES.index(row), row)
+    print(f"{describe(row)}: loss {result.loss:.1e}, grad {result.grad_norm:.1e}, val {result.val_loss:.1e}")
     assert result.status == "matched", result.message
 
 
