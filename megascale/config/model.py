@@ -104,7 +104,7 @@ class MoEConfig:
     aux_loss_coeff: float = option(
         0.0,
         "Weight of the load-balancing loss E * sum_i(f_i * P_i) (Switch Transformer) of each MoE layer, "
-        "per micro-batch; 0 turns it off.",
+        "per sequence and averaged over the step's sequences; 0 turns it off.",
         ge=0,
     )
     bias_update_rate: float = option(
@@ -116,8 +116,8 @@ class MoEConfig:
     capacity_factor: float | None = option(
         None,
         "Unset: dropless, every routed token is computed. Set: each expert takes at most "
-        "ceil(factor * tokens * top_k / experts) token slots per micro-batch, the later tokens beyond it "
-        "are dropped (they pass through the residual only).",
+        "ceil(factor * seq_len * top_k / experts) token slots of each sequence, the later tokens beyond it "
+        "are dropped (they pass through the residual only), however the step is split into micro-batches.",
         gt=0,
     )
 
