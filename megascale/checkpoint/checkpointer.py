@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from megascale.checkpoint.ledger import check_not_lost, record_commit, record_start
@@ -165,12 +166,19 @@ def _load(
         # DCP's planning is collective over every rank; a rank with nothing to load reads nothing.
         mine = state if not broadcast or dist.get_rank() == source else {}
         dcp.load(mine, storage_reader=reader, no_dist=not _distributed())
-    except Exception as err:  # DCP wraps storage and shape problems in several exception types
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint: cannot load {location}: {first_line}") from err
+    except (Exception, CheckpointException) as err:  # DCP's own is a BaseException, wrapping each rank's
+        raise CheckpointError(f"checkpoint: cannot load {location}: {_first_failure(err)}") from err
     if group is not None and source is not None:
         _broadcast_state(state, source, group)
     return manifest, reader.bytes_read
+
+
+def _first_failure(err: BaseException) -> str:
+    """What failed, in one line: where DCP gathers the ranks' errors, the first rank's own."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _broadcast_state(state: dict[str, Any], source: int, group: dist.ProcessGroup) -> None:

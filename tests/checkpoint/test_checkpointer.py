@@ -159,3 +159,17 @@ def test_a_coordinator_waiting_for_a_node_that_died_gives_up_when_abandoned(tmp_
     assert not thread.is_alive() and time.monotonic() - started < 2
     assert "1 of 2 nodes persisted" in outcome["error"] and heard[-1] is None
     assert list_checkpoints(tmp_path / "checkpoints") == [] and not staged.exists()
+
+
+def test_a_checkpoint_lacking_an_entry_the_state_asks_for_is_one_line(tmp_path):
+    """DCP's own error is a BaseException gathering every rank's: it becomes a CheckpointError naming the
+    key, not a traceback."""
+    _, state = model_state()
+    location = ckpt.write_checkpoint(str(tmp_path / "ckpt"), state, {})
+    _, asked = model_state()
+    asked["data"] = {"position": 0}
+    with pytest.raises(CheckpointError) as refused:
+        ckpt.load_checkpoint(location, asked)
+    assert str(refused.value) == (
+        f"checkpoint: cannot load {location}: Missing key in checkpoint state_dict: data.position."
+    )
