@@ -8,6 +8,7 @@ The model code knows none of this.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from functools import partial
 
 import torch
@@ -76,9 +77,11 @@ def parallelize(
         )
     num_stages = dims.pp * par.pp_virtual_stages
     stage_ids = stage_ids_of(dims.local_rank("pp"), dims.pp, par.pp_virtual_stages, par.pp_schedule)
-    parts = _stages(model, stage_ids, num_stages, par)
+    parts, shared = _stages(model, stage_ids, num_stages, par)
     for part in parts:
-        _shard(part, dims, par, compile_blocks, reductions, float8_all_gather, offload, autocast_dtype)
+        _shard(
+            part, dims, par, compile_blocks, reductions, float8_all_gather, offload, autocast_dtype, shared
+        )
     group = dims.sub_mesh("pp").get_group()
     schedule = partial(
         build_schedule,
@@ -103,6 +106,7 @@ def parallelize(
         gather_early=par.overlap.dp,
         zero1=False,  # the schedule syncs FSDP's gradients at each stage's last backward
         pipeline_group=group,
+        whole=(list(shared), _data_groups(dims) if dims.fsdp_ranks > 1 else []),
         routing_groups=_routing_groups(dims),
         routed=routed,
         context=(dims.cp, dims.context_rank()),
@@ -118,8 +122,17 @@ def _routing_groups(dims: ParallelDims) -> list[ProcessGroup]:
     return [dims.sub_mesh(name).get_group() for name, size in sizes.items() if size > 1]
 
 
-def _stages(model: nn.Module, stage_ids: list[int], num_stages: int, par: ParallelConfig) -> list[nn.Module]:
-    """This rank's pipeline stages: copies of `model` keeping only their layers."""
+def _data_groups(dims: ParallelDims) -> list[ProcessGroup]:
+    """The groups over which FSDP averages a gradient: its mesh's dimensions (two under HSDP)."""
+    mesh = dims.fsdp_mesh()
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+def _stages(
+    model: nn.Module, stage_ids: list[int], num_stages: int, par: ParallelConfig
+) -> tuple[list[nn.Module], set[nn.Parameter]]:
+    """This rank's pipeline stages, copies of `model` keeping only their layers, and the parameters two
+    of them share."""
     ranges = stage_layer_ranges(model, num_stages, par.pp_split, blocks=sharding.BLOCKS)
     parts = [
         build_stage_module(
@@ -133,20 +146,24 @@ def _stages(model: nn.Module, stage_ids: list[int], num_stages: int, par: Parall
         )
         for stage_id in stage_ids
     ]
-    _tie_across(parts, tied_parameters(model))
-    return parts
+    return parts, _tie_across(parts, tied_parameters(model))
 
 
-def _tie_across(parts: list[nn.Module], tied: list[list[str]]) -> None:
+def _tie_across(parts: list[nn.Module], tied: list[list[str]]) -> set[nn.Parameter]:
     """A parameter the model shares between modules in two stages of this rank (the embedding and the
     output layer of a V schedule's first and last stage) is one parameter again: each stage is its own
     copy of the model. Its gradient then accumulates from both stages, as in one process. Stages on
-    other ranks cannot share one (ParallelDims.validate refuses it)."""
+    other ranks cannot share one (ParallelDims.validate refuses it). Returns the shared parameters:
+    FSDP, which shards each stage on its own, leaves them whole."""
+    shared = set()
     for names in tied:
         held = [(part, name) for part in parts for name in names if _holds(part, name)]
         for part, name in held[1:]:
             owner, _, attribute = name.rpartition(".")
-            part.get_submodule(owner).register_parameter(attribute, held[0][0].get_parameter(held[0][1]))
+            kept = held[0][0].get_parameter(held[0][1])
+            part.get_submodule(owner).register_parameter(attribute, kept)
+            shared.add(kept)
+    return shared
 
 
 def _holds(part: nn.Module, name: str) -> bool:
@@ -166,11 +183,12 @@ def _shard(
     float8_all_gather: bool = False,
     offload: ActivationOffload | None = None,
     compute_dtype: torch.dtype | None = None,
+    whole: AbstractSet[nn.Parameter] = frozenset(),
 ) -> None:
     """One model part, in place: tensor + sequence parallelism, context parallelism's ring attention,
     activation checkpointing, per-block compilation, activation offload, expert parallelism, FSDP (its
     blocks gathered in the compute precision, its float8 weights as bytes where the backend has no float8
-    type)."""
+    type). `whole` parameters are left whole: FSDP neither shards nor reduces them."""
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
@@ -192,9 +210,9 @@ def _shard(
             block.compile()
     if offload is not None:
         apply_activation_offload(part, blocks=sharding.BLOCKS, offload=offload)
-    alone: set[nn.Parameter] = set()
+    alone: set[nn.Parameter] = set(whole)  # held whole (by FSDP too): shared with another stage
     if dims.expert_ranks > 1:
-        alone = apply_expert_parallel(
+        alone |= apply_expert_parallel(
             part,
             dims.expert_mesh(),
             data_ranks=dims.ep,

@@ -227,9 +227,12 @@ class PipelinedModel(ParallelModel):
         microbatches: int,
         first_stage: bool,
         last_stage: bool,
+        whole: tuple[list[nn.Parameter], list[ProcessGroup]] = ([], []),
         **options: Any,
     ):
         super().__init__(parts, **options)
+        # Parameters two stages share, which FSDP leaves whole, and the groups to average their gradients.
+        self.whole, self.data_groups = whole
         self.microbatches = microbatches
         self.first_stage, self.last_stage = first_stage, last_stage
         self._loss_fn: LossFn | None = None  # the loss of the schedule's current step
@@ -260,6 +263,11 @@ class PipelinedModel(ParallelModel):
             for param in self.parameters():
                 if param.grad is not None:
                     param.grad.div_(self.microbatches)
+        for param in self.whole:  # averaged over the data-parallel ranks, as FSDP averages its own
+            for group in self.data_groups:
+                assert param.grad is not None  # both stages holding it ran their backward
+                dist.all_reduce(param.grad, group=group)
+                param.grad.div_(dist.get_world_size(group))
         return loss
 
     @torch.no_grad()

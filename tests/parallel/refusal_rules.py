@@ -232,10 +232,8 @@ RULES: tuple[Rule, ...] = (
         "tied embeddings with a pipeline only in a V",
         ("model.tie_embeddings", "parallel.pp", "parallel.pp_schedule"),
         "tied embeddings with pp > 1 only with zbv / dualpipev (their V holds the embedding and the output "
-        "layer on one rank), and there without FSDP's data parallelism",
-        lambda job: (
-            job["model.tie_embeddings"] and _pp(job) > 1 and (not _v_schedule(job) or _data_ranks(job) > 1)
-        ),
+        "layer on one rank)",
+        lambda job: job["model.tie_embeddings"] and _pp(job) > 1 and not _v_schedule(job),
     ),
     Rule(
         "float8 layers not beside the overlapped tensor-parallel GEMMs",
