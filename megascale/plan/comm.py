@@ -1,14 +1,9 @@
-"""Seconds of one collective or point-to-point transfer over the link its group uses (alpha-beta model).
+"""Seconds of a collective or point-to-point transfer over the link its group uses (alpha-beta model).
 
-A ring all-gather or reduce-scatter over n ranks sends (n - 1)/n of the full tensor through each rank's link
-in n - 1 latency-bound steps; an all-reduce is the two back to back; an all-to-all sends each peer its
-part directly. A group whose ranks all sit in one node uses the intra-node link (NVLink; shared memory for
-gloo on one host), any other the NICs: one NIC per GPU wired multi-rail (paper §3.6). A ring over nodes
-is as fast as the NICs it crosses between them. When a node holds k of the group's ranks, NCCL runs k rings
-at once (one per NIC, each with 1/k of the data, the rest of each ring inside the node over NVLink), so the
-group moves data between nodes at k NICs' rate, up to NVLink's; a group with one rank per node (data
-parallelism beside 8-way tensor parallelism) has one NIC's. Which ranks share a node follows from the rank
-order (`megascale.plan.placement`).
+A ring all-gather or reduce-scatter over n ranks moves (n - 1)/n of the tensor through each rank's link
+in n - 1 latency-bound steps; an all-to-all sends each peer its part. A group inside a node uses NVLink,
+any other the NICs, one a GPU (MegaScale, arXiv:2402.15627 §3.6): a node holding k of the group's ranks
+runs k rings at once over k NICs, up to NVLink's rate.
 """
 
 from __future__ import annotations
@@ -22,14 +17,12 @@ def group_spans_nodes(stride: int, size: int, devices_per_node: int) -> bool:
 
 
 def rails(stride: int, size: int, devices_per_node: int) -> int:
-    """NICs a node drives at once for a ring over a group of `size` ranks spaced `stride` apart: one per
-    rank of the group the node holds."""
+    """NICs a node drives at once for a ring over `size` ranks `stride` apart: one per rank it holds."""
     return max(1, min(size, devices_per_node // stride))
 
 
 def link(profile: HardwareProfile, cross_node: bool, nics: int = 1) -> tuple[float, float]:
-    """(bytes/s achieved by a collective, latency in s) of the link a group uses; across nodes, `nics`
-    NICs of each node at once (`rails`), up to the intra-node link's rate."""
+    """(bytes/s a collective achieves, latency) of a group's link; across nodes `nics` NICs at once."""
     intra = profile.intra_node_bytes_per_s * profile.network_efficiency
     if cross_node:
         inter = nics * profile.inter_node_bytes_per_s * profile.network_efficiency
@@ -40,8 +33,7 @@ def link(profile: HardwareProfile, cross_node: bool, nics: int = 1) -> tuple[flo
 def group_gather_or_scatter_seconds(
     full_bytes: float, stride: int, ranks: int, profile: HardwareProfile
 ) -> float:
-    """A ring all-gather (or reduce-scatter) whose gathered tensor is `full_bytes`, over `ranks` ranks
-    spaced `stride` apart."""
+    """A ring all-gather (or reduce-scatter) of `full_bytes` over `ranks` ranks `stride` apart."""
     cross = group_spans_nodes(stride, ranks, profile.devices_per_node)
     nics = rails(stride, ranks, profile.devices_per_node)
     return gather_or_scatter_seconds(full_bytes, ranks, profile, cross, nics)
@@ -64,9 +56,8 @@ def send_seconds(payload_bytes: float, profile: HardwareProfile, cross_node: boo
 
 
 def all_to_all_seconds(bytes_per_rank: float, ranks: int, stride: int, profile: HardwareProfile) -> float:
-    """One all-to-all in which every rank holds `bytes_per_rank` and keeps 1/ranks of it; the group's
-    ranks are `stride` apart (consecutive ranks share nodes). Each peer gets its part directly: the parts
-    for peers on the node take the intra-node link, the rest the NIC, both at once."""
+    """One all-to-all of `bytes_per_rank` from each of `ranks` ranks `stride` apart: the parts for peers on
+    the node over NVLink, the rest over the NIC, at once."""
     if ranks <= 1:
         return 0.0
     on_node = max(1, min(ranks, profile.devices_per_node // stride))

@@ -1,11 +1,9 @@
 """`megascale plan`: the best layouts of a job on a cluster, predicted before the cluster is granted.
 
-The job comes from a megascale config (`--config`, `--section.key=value` overrides; configs/paper-175b.toml
-and paper-530b.toml hold the paper's models), the cluster from `--hardware` and `--devices`, and the
-system from `--system` (`megascale.plan.systems`: MegaScale's, Megatron-LM as the paper measured it,
-Megatron-Core, DeepSpeed, torchtitan, llm-foundry, or this repository's trainer). The output is the fastest
-layouts that fit in memory, with their step time, tokens/s, MFU, memory and where the time goes, the
-placement of the best one, and the config overrides that train it; `--explain` shows every term.
+The job comes from a megascale config (`--config`, `--section.key=value` overrides), the cluster from
+`--hardware` and `--devices`, the system from `--system` (`megascale.plan.systems`). It prints the fastest
+layouts that fit, their step time, tokens/s, MFU, memory and where the time goes, the best one's
+placement and the overrides that train it; `--explain` shows every term.
 """
 
 from __future__ import annotations
@@ -19,14 +17,8 @@ from megascale.errors import ConfigError
 # checks they match the profiles table.
 HARDWARE = ("v100", "a100", "h100", "h800", "h200", "b200", "gb200", "cpu")
 SYSTEM_NAMES = (
-    "megascale",
-    "megatron-lm",
-    "megatron-core",
-    "deepspeed",
-    "torchtitan",
-    "llm-foundry",
-    "trainer",
-)
+    "megascale", "megatron-lm", "megatron-core", "deepspeed", "torchtitan", "llm-foundry", "trainer",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.10,
         metavar="FRACTION",
-        help="How much slower a straggling host computes (default 0.10, the paper's §6.3).",
+        help="How much slower a straggling host computes (default 0.10, MegaScale's §6.3).",
     )
     top_help = "How many splits of the devices (tp, pp, dp, cp) to print, each at its fastest (default 5)."
     parser.add_argument("--top", type=int, default=5, help=top_help)
@@ -101,11 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Only layouts with this context-parallel degree (the search offers cp > 1 for long sequences "
         "only; see docs/planning.md, 'Context parallelism').",
     )
-    parser.add_argument(
-        "--config-layout",
-        action="store_true",
-        help="Predict the config's own parallel layout instead of searching.",
-    )
+    config_layout = "Predict the config's own parallel layout instead of searching."
+    parser.add_argument("--config-layout", action="store_true", help=config_layout)
     parser.add_argument("--explain", action="store_true", help="Show every term of the best layout's step.")
 
 
@@ -113,15 +102,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan; a ConfigError (one line) for anything the user can fix."""
     from megascale.plan.report import plan_and_render  # torch and the model come in here, not in the parser
 
-    for flag, value in (
-        ("--devices", args.devices),
-        ("--top", args.top),
-        ("--batch", args.batch),
-        ("--gpus-per-node", args.gpus_per_node),
-        ("--cp", args.cp),
-        ("--tp", args.tp),
-        ("--pp", args.pp),
-    ):
+    counts = ("devices", "top", "batch", "gpus_per_node", "cp", "tp", "pp")
+    for flag, value in ((f"--{name.replace('_', '-')}", getattr(args, name)) for name in counts):
         if value is not None and value < 1:
             raise ConfigError(f"plan: {flag} {value} must be >= 1")
     if args.nic_gbps is not None and args.nic_gbps <= 0:

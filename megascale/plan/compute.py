@@ -1,34 +1,7 @@
-"""Device time of one micro-batch's forward + backward through one block, from FLOPs and bytes.
-
-Three kinds of work, each timed by what limits it:
-- GEMMs (the linear layers, split by tensor parallelism), on a roofline by shape: an [m, k] x [k, n] GEMM
-  takes the longer of its FLOPs at the library's best fraction of peak (`gemm_efficiency`, paper §3.3:
-  GEMMs are already efficient in Megatron-LM) and its bytes, (mk + kn + mn) elements, at the HBM
-  bandwidth; plus a fixed time per GEMM for its launch and tail, `gemm_half_flops` at that rate. A
-  compute-bound GEMM of f FLOPs thus reaches `e(f) = e_max * f / (f + f_half)` of peak (the curve
-  `bench/kernel_efficiency.py` fits), and a thin one (a router's, a small micro-batch's) is bound by its
-  bytes. Wave quantisation over the device's SMs is not modelled.
-- Attention's two score matmuls, in a fused kernel that skips the masked half of a causal square: the
-  device's fastest (FlashAttention-2 on Ampere, paper §3.3; cuDNN's on Hopper) at an achieved fraction of
-  peak, FlashAttention-2 on Hopper at 0.62 of it, FlashAttention-1 (what a system without the paper's
-  operators runs) at half FlashAttention-2's speed. A sliding window (paper §3.1) caps the keys per query.
-  Before FlashAttention (Megatron-LM until 2022) the scores were materialised: both matmuls over the
-  whole square as batched GEMMs, and the square's elements through memory by the softmax, the dropout
-  and the matmuls that read them (`MATERIALIZED_BYTES_*`); selective recomputation redoes all of it.
-- Element-wise work (norms, activations, dropout, residual adds): bytes through HBM; fusing LayerNorm and
-  GeLU (paper §3.3) halves the number of passes. A system that runs the model's composite operators
-  eagerly (torchtitan's Llama: an RMSNorm and RoPE in float32 op by op) moves more, counted operator by
-  operator (`eager_elementwise_bytes`).
-- Recomputation: full recomputation redoes a block's forward; selective (Korthikanti et al. 2022) the
-  attention core, which costs nothing more in a FlashAttention kernel; torchtitan's selective op
-  checkpointing ("op") keeps the outputs of the attention kernel and of every other matmul of a block,
-  counted in forward order from the first, and recomputes the rest: the forward of the second, fourth, ...
-  matmul (a Llama's key, attention-output and up projections) and of every element-wise operator (a third
-  of the element-wise passes).
-Under context parallelism (cp ranks) a rank computes every token-wise operator on its 1/cp of each
-sequence, and its queries' attention against the whole sequence's keys: 1/cp of the causal work.
-On a CPU the host dispatches every operator and waits for it, so a measured per-block host time is added;
-on a GPU launches run ahead of the device and cost nothing here.
+"""Device time of one micro-batch's forward + backward through one block, from FLOPs and bytes
+(docs/planning.md, "The model"): GEMMs on a roofline by shape, attention's score matmuls in the system's
+kernel, element-wise work as passes through memory, recomputation as the forward again; under context
+parallelism 1/cp of it. A CPU adds the host time it measured per block; a GPU's launches run ahead.
 """
 
 from __future__ import annotations
@@ -57,15 +30,12 @@ ELEMENTWISE_PASSES_FUSED = 36
 # al. 2022, arXiv:2205.05198 §4.2.2). Counting elements read and written a token in the same block:
 # unfused, bias + GeLU moves 32 hidden-sizes of the block's 62; fused, 20 of 40.
 ELEMENTWISE_MLP_SHARE = 0.5
-# Bytes one element moves through memory, forward + backward, in each operator torch's eager mode runs for
-# a torchtitan Llama block with 2-byte activations, counted by the operators' reads and writes in its model
-# (https://github.com/pytorch/torchtitan/blob/main/torchtitan/models/llama/model.py, December 2024):
-# RMSNorm as composite float32 operators (upcast, square, mean, scaling by the reciprocal root, downcast,
-# gain) and LayerNorm, one native kernel each way, per element of the hidden size; RoPE as a complex
-# multiply in float32 (upcast, multiply, downcast) per query and key element; SwiGLU's SiLU and product, or
-# GeLU, per element of the ffn width; two residual adds, and in the backward the sum of the gradients where
-# the stream forks, per element of the hidden size; the attention's output laid back out as [tokens,
-# heads x head size], per query element.
+# Bytes an element moves, forward + backward, in each operator torch's eager mode runs for a torchtitan Llama
+# block at 2-byte activations, counted from its model's operators (https://github.com/pytorch/torchtitan/
+# blob/main/torchtitan/models/llama/model.py, December 2024): an RMSNorm of float32 operators or a LayerNorm
+# kernel, per hidden element; RoPE's float32 complex multiply, per query and key element; SwiGLU or GeLU,
+# per ffn element; two residual adds and the backward's fork sums, per hidden element; the attention's
+# output laid back out, per query element.
 EAGER_RMSNORM_BYTES = 36 + 70
 EAGER_LAYERNORM_BYTES = 4 + 8
 EAGER_ROPE_BYTES = 20 + 20
@@ -77,13 +47,9 @@ EAGER_ATTENTION_OUTPUT_BYTES = 4 + 4
 FLASH_ATTENTION_1_SPEED = 0.5
 # Bytes moved per element of a materialised [heads, s, s] score square at 2-byte activations, counted from
 # Megatron-LM's fused scale-mask-softmax and dropout (https://github.com/NVIDIA/Megatron-LM/blob/main/
-# megatron/legacy/model/transformer.py, CoreAttention): forward, the scores written (2), read and the
-# probabilities written by the softmax (4), read and written by the dropout with its 1-byte mask (5), read
-# by the second matmul (2); backward, the probabilities' gradient written (2) and the probabilities read
-# for the values' gradient (2), the dropout's backward (5), the softmax's (6), the scores' gradient read by
-# the two matmuls (4). The square kept is Korthikanti et al.'s 5 a s^2 b bytes a layer (arXiv:2205.05198,
-# Eq. 1). Of those, the dropout's each way (read 2, written 2, its mask 1): a model without dropout
-# (`Job.dropout`) moves none of it.
+# megatron/legacy/model/transformer.py, CoreAttention): forward, scores written 2, softmax 4, dropout and
+# mask 5, second matmul's read 2; backward, 2 + 2 for the probabilities' gradient and read, dropout 5,
+# softmax 6, the two matmuls' reads 4; the dropout's 5 each way only with dropout (`Job.dropout`).
 MATERIALIZED_BYTES_FORWARD = 13
 MATERIALIZED_BYTES_BACKWARD = 19
 DROPOUT_SCORE_BYTES = 5
@@ -113,8 +79,7 @@ def element_bytes(dtype: str) -> int:
 
 
 def gemm_seconds(m: float, k: float, n: float, profile: HardwareProfile, dtype: str) -> float:
-    """One [m, k] x [k, n] GEMM on the roofline: its FLOPs or its bytes, whichever takes longer (a float8
-    GEMM writes its output at 2 bytes), plus the launch and tail every kernel pays."""
+    """One [m, k] x [k, n] GEMM on the roofline (its FLOPs or its bytes) plus its launch and tail."""
     rate, element = gemm_rate(profile, dtype), element_bytes(dtype)
     memory_s = ((m * k + k * n) * element + m * n * max(element, 2)) / profile.hbm_bytes_per_s
     return max(2 * m * k * n / rate, memory_s) + profile.gemm_half_flops / rate
@@ -157,14 +122,12 @@ def linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
 def linear_gemms_seconds(
     shapes: list[tuple[int, int]], tokens: float, profile: HardwareProfile, dtype: str
 ) -> float:
-    """Forward GEMM, then backward's two (input gradient and weight gradient), each of the same FLOPs and
-    bytes."""
+    """Each layer's forward GEMM and the backward's two of the same shape, for `tokens` tokens."""
     return sum(3 * gemm_seconds(tokens, n_in, n_out, profile, dtype) for n_in, n_out in shapes)
 
 
 def attention_linear_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
-    """The attention's projections, forward + backward: split over the tp ranks by heads, or under
-    sequence-parallel attention ("sp") whole on each rank's share of the sequence."""
+    """The attention's projections, forward + backward: heads split over tp, or ("sp") whole."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     if layout.attention == "sp":
         return linear_gemms_seconds(
@@ -182,11 +145,8 @@ def block_time(
     attention_kernel: str = "flash",
     elementwise: str = "kernels",
 ) -> BlockTime:
-    """One block, one micro-batch, forward + backward (and recomputation), on one device; with `moe`,
-    a block whose MLP is that mixture-of-experts layer (`megascale.plan.experts`). The attention runs in
-    the device's fastest fused kernel with `fused_kernels`, else in `attention_kernel`
-    (`attention_seconds`); the element-wise operators as `elementwise` says
-    (`Features.elementwise`)."""
+    """One block, one micro-batch, forward + backward and recomputation, on one device; with `moe`, its MLP
+    that MoE layer."""
     model, dtype = job.model, job.linear_dtype
     tokens = layout.micro_batch * layout.local_seq_len(job)
     gemm_s = attention_linear_seconds(job, layout, profile)
@@ -219,8 +179,7 @@ def block_time(
     host_s += profile.dp_layer_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0
     # Selective recomputation redoes the attention core, which a FlashAttention kernel does anyway.
     # Full recomputation redoes the forward.
-    recomputed = layout.recomputed_share(job)
-    recompute_s = ((gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s) * recomputed
+    recompute_s = ((gemm_s + elementwise_s + host_s) / 3 + attention_fwd_s) * (layout.forward_passes(job) - 1)
     if layout.recompute == "selective" and kernel == "materialized":
         recompute_s = attention_fwd_s
     if layout.recompute == "op":  # every second linear layer's forward, and the element-wise forward
@@ -231,10 +190,8 @@ def block_time(
 
 
 def eager_elementwise_bytes(model: ModelConfig, tp: int, shard: int) -> float:
-    """Bytes one token of one block moves through memory in its element-wise operators, forward +
-    backward, as torch's eager mode runs them (the EAGER_* counts): its norms and residual adds over the
-    hidden size (split over `shard` ranks with sequence parallelism), RoPE over the queries and keys, the
-    attention's output and the MLP's activation over their widths (split over the `tp` ranks)."""
+    """Bytes one token of one block moves in its element-wise operators as torch's eager mode runs them (the
+    EAGER_* counts), split over `shard` ranks (hidden-size ones) or `tp` (heads and ffn width)."""
     norm = EAGER_RMSNORM_BYTES if model.norm == "rmsnorm" else EAGER_LAYERNORM_BYTES
     norms = 1 if model.block == "parallel" else 2
     hidden = (norms * norm + EAGER_RESIDUAL_BYTES) * model.dim / shard
@@ -258,16 +215,13 @@ FLOAT8_WEIGHT_CAST_BYTES = 2 * (2 + 2 + 1)
 
 
 def float8_cast_bytes(tokens: float, n_in: int, n_out: int, weight_shards: int = 1) -> float:
-    """Memory traffic of casting one float8 linear layer's operands, forward and backward: its input and
-    weight, and its output gradient (torchao's Float8Linear casts every operand of its three GEMMs); a
-    weight gathered in float8 is cast as `weight_shards` shards, one on each rank."""
+    """Memory traffic of casting one float8 layer's input, output gradient and weight (in `weight_shards`)."""
     activations = tokens * (n_in * FLOAT8_INPUT_CAST_BYTES + n_out * FLOAT8_GRAD_CAST_BYTES)
     return activations + n_in * n_out * FLOAT8_WEIGHT_CAST_BYTES / weight_shards
 
 
 def float8_cast_seconds(job: Job, layout: Layout, profile: HardwareProfile, moe: bool) -> float:
-    """What casting to float8 adds to one block and micro-batch, every linear layer's casts as memory
-    traffic; an MoE layer's experts stay bf16 (torchao converts nn.Linear)."""
+    """What float8 casts add to one block and micro-batch (an MoE layer's experts stay bf16)."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     shapes = attention_shapes(job.model, layout.tp) if moe else linear_shapes(job.model, layout.tp)
     shards = layout.fsdp_ranks if job.fp8_all_gather else 1
@@ -282,12 +236,10 @@ def keys_per_query(seq_len: int, window: int | None) -> float:
 
 
 def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel: str) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core of one block and micro-batch: in a fused kernel,
-    the device's fastest ("fused", the attention curve's), FlashAttention-2 ("flash2", at the profile's
-    `flash2_attention_speed` of it) or FlashAttention-1 ("flash", at half FlashAttention-2's), whose
-    backward costs two forwards, or over materialised scores ("materialized"). Under context parallelism
-    a rank computes its queries against every key, 1/cp of the causal work (its chunks balance it), in cp
-    ring steps, one kernel's worth each."""
+    """(forward, backward) seconds of one block's attention core a micro-batch: in a fused kernel ("fused" at
+    the attention curve's rate, "flash2" at `flash2_attention_speed` of it, "flash" at half that), backward
+    two forwards, or over materialised scores. Under context parallelism 1/cp of the causal work, in cp
+    kernels."""
     model = job.model
     heads = model.attention.n_heads // layout.tp
     head_dim = head_dim_of(model)
@@ -316,9 +268,7 @@ def attention_seconds(job: Job, layout: Layout, profile: HardwareProfile, kernel
 
 
 def output_layer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
-    """The vocabulary projection (on the last stage), forward + backward, and the host's time for the
-    model's parts outside its blocks; the step counts it on the pipeline rank that holds the output
-    layer, when that rank is the busiest (`megascale.plan.stages`)."""
+    """The vocabulary projection, forward + backward, and the host time outside the blocks."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     host_s = profile.model_overhead_s + (profile.tp_model_overhead_s if layout.tp > 1 else 0.0)
     host_s += profile.dp_model_overhead_s if layout.fsdp_ranks > 1 and layout.zero_stage >= 2 else 0.0

@@ -1,19 +1,11 @@
-"""Context parallelism in the cost model: the ring attention's transfers, what of them the attention hides,
-and the buffers they need (docs/planning.md, "Context parallelism").
+"""Context parallelism's ring attention: its messages, what the attention hides of them, its buffers.
 
-Each of the cp ranks of a ring holds 2 of the 2 x cp equal chunks of every sequence (chunk r and its mirror
-2cp-1-r), so every token-wise operator runs on 1/cp of the tokens and every rank has the same 1/cp of the
-causal attention's work (`megascale.plan.compute`). Attention takes cp ring steps (megascale's
-`megascale.parallel.context`): at each a rank computes its queries against the keys and values it holds
-while sending them on to the next rank, one message of both stacked; the backward sends them around
-again and passes their gradients (the same size) along the ring, back to their owner after the last step.
-Per block and micro-batch that is cp - 1 messages forward (again under full recomputation) and
-(cp - 1) + cp backward, each over the link between neighbours: the cp ranks are adjacent data-parallel
-ranks, tp apart (`megascale.plan.placement`), so a ring leaves the node once tp x cp exceeds it. With the
-overlap (`Features.cp_overlap`) a step's transfers run beside its blocks and only what outlasts them is
-exposed, plus the gradients' last hop home; without it every transfer is waited for. An MoE layer routes
-each rank's own positions (`megascale.plan.experts`): its work and all-to-all bytes divide by cp as the
-tokens do, and its experts may be split over the dp x cp ranks (megascale's dp_shard).
+Each of the cp ranks of a ring holds 2 of the 2 x cp chunks of every sequence, so it computes 1/cp of
+every token-wise operator and of the causal attention (`megascale.plan.compute`); per block and
+micro-batch it sends cp - 1 messages of its keys and values forward (again under full recomputation) and
+(cp - 1) + cp backward with their gradients, to the next rank, tp ranks away (`megascale.plan.placement`).
+With the overlap each ring step's transfers run beside its attention blocks (docs/planning.md, "Context
+parallelism").
 """
 
 from __future__ import annotations
@@ -50,8 +42,7 @@ def context_problem(job: Job, layout: Layout) -> str | None:
 
 
 def ring_message_bytes(job: Job, layout: Layout) -> float:
-    """One ring message: this rank's keys and values stacked, 2 x local positions x its kv heads x
-    head_dim x micro-batch elements."""
+    """One ring message: this rank's keys and values stacked, for its positions and kv heads."""
     model = job.model
     kv_heads = model.attention.n_kv_heads / layout.tp
     elements = 2 * layout.local_seq_len(job) * kv_heads * head_dim_of(model) * layout.micro_batch
@@ -59,9 +50,8 @@ def ring_message_bytes(job: Job, layout: Layout) -> float:
 
 
 def ring_messages(job: Job, layout: Layout) -> float:
-    """Messages each rank sends per block and micro-batch: the keys and values cp - 1 times forward (twice
-    under full recomputation, for the share of blocks that recompute) and backward, and their gradients cp
-    times."""
+    """Messages a rank sends per block and micro-batch: cp - 1 forward (per forward pass), and backward cp - 1
+    and their gradients' cp."""
     if layout.cp == 1:
         return 0
     return layout.forward_passes(job) * (layout.cp - 1) + (layout.cp - 1) + layout.cp

@@ -1,32 +1,8 @@
-"""A mixture-of-experts layer in the cost model: its GEMMs, its other operators and all-to-alls on one device.
-
-Where an MoE layer's work lands depends on how the layout spreads it (`Layout.moe_tp`, `Layout.ep`):
-- "split" (Megatron-LM): each rank of a tp group holds 1/tp of every expert's hidden size and computes
-  every token slot of the group's micro-batch for its slices, the tokens all-gathered before the layer and
-  reduce-scattered after it as for a dense MLP. Each expert GEMM is 1/tp as wide.
-- "whole" (megascale's trainer): every tp rank computes the whole layer on the whole sequence.
-- "ep" (MegaScale-MoE; megascale's trainer with parallel.moe_tp = "ep"): the tp ranks are expert-parallel
-  ranks; each holds experts/ep whole experts and sends the token slots of its share of the sequence to
-  their experts' ranks by all-to-all. The group is the tp ranks (ep = tp), or ep / tp adjacent tp groups.
-With `ep > 1` outside "ep" the experts are split over ep data-parallel ranks (the dp x cp ranks that hold
-the same weights, as megascale's dp_shard holds the cp ranks), which exchange their own tokens' slots the
-same way. Under context parallelism a rank routes its own positions of each sequence: its tokens, slots
-and all-to-all bytes are 1/cp of the sequence's.
-
-Load: the router is trained for an even load, so every device computes its share of the slots, tokens x
-top_k x (its experts / all experts). Where the experts are split over ranks, the ranks meet at every
-all-to-all and the layer runs at the pace of the rank whose experts drew the most slots
-(`busiest_rank_load`): the expected busiest of the group's ranks when each token picks its top_k experts
-independently, the least unevenness a router trained for balance leaves (a capacity caps it). Where
-every rank computes a share of every slot ("split", or ep = 1) no rank is busier than another.
-The experts run as grouped GEMMs at the profile's fraction of the rate of one expert's GEMM, and the
-layer's other operators (router, sort, gather, scatter) cost the profile's share of their time: both
-measured on an H100 (bench/kernel_efficiency.py, docs/gpu.md).
-
-The all-to-all is timed per device (`plan/comm.py`) from the bytes it sends to the other ranks of its
-group, those on its node over the intra-node link and the rest over its NIC at the same time; a chunked
-overlap (`Features.ep_overlap`, MegaScale-MoE §4) hides it behind the experts' GEMMs as far as they last,
-the first chunk excepted, as the TP overlap does (`megascale.plan.step`).
+"""A mixture-of-experts layer on one device: its GEMMs, its other operators and its all-to-alls, by how the
+layout spreads it (`Layout.moe_tp`, `Layout.ep`; docs/planning.md, "Mixture of experts"). Experts split
+over ranks run at the busiest rank's pace (`busiest_rank_load`); the grouped GEMMs' rate and the other
+operators' share of their time were measured on an H100 (docs/gpu.md#6-kernel-efficiency-at-the-planners-
+shapes); the all-to-alls hide behind the experts' GEMMs as far as the overlap lets them.
 """
 
 from __future__ import annotations
@@ -66,14 +42,8 @@ def moe_layers(model: ModelConfig) -> int:
     return model.n_layers - model.moe.dense_layers if is_moe(model) else 0
 
 
-def expert_group(layout: Layout) -> int:
-    """Ranks the routed experts are split over."""
-    return layout.ep
-
-
 def tokens_in(job: Job, layout: Layout) -> float:
-    """Tokens entering the layer's router on one device: its share of the sequence under "ep", the
-    whole micro-batch otherwise (all-gathered under "split"); its own positions under context parallelism."""
+    """Tokens entering the router on one device: its sequence share under "ep", else the micro-batch."""
     tokens = layout.micro_batch * layout.local_seq_len(job)
     return tokens / layout.tp if layout.experts_over_tp else tokens
 
@@ -91,8 +61,7 @@ def expert_width(job: Job, layout: Layout) -> int:
 
 @functools.cache
 def expected_max_of_normals(count: int) -> float:
-    """E[max of `count` independent standard normals] (1.42 for 8), by integrating 1 - F^n above zero
-    less F^n below it."""
+    """E[max of `count` independent standard normals] (1.42 for 8), by integration."""
     step = 1e-3
 
     def cdf(x: float) -> float:
@@ -103,13 +72,11 @@ def expected_max_of_normals(count: int) -> float:
 
 
 def busiest_rank_load(job: Job, layout: Layout) -> float:
-    """Slots the busiest rank of the expert group computes in one layer and micro-batch, over the mean:
-    1 where every rank computes a share of every slot. Each of the group's tokens picks top_k of the E
-    experts; how many land on one rank's E/ep is hypergeometric (variance k p (1 - p) (E - k)/(E - 1) per
-    token, p = 1/ep), and the ranks' counts add up to the group's slots, so the busiest exceeds the mean
-    by E[max of ep normals] x sd / sqrt(1 - 1/ep). Tokens routed alike (a document's) make it worse; a
-    capacity (`model.moe.capacity_factor`) caps it: no expert takes more than the factor times its mean."""
-    ranks = expert_group(layout)
+    """Slots the busiest rank of the expert group computes in a layer and micro-batch, over the mean (1 where
+    every rank computes a share of every slot): each token picks top_k of E experts, a rank's count is
+    hypergeometric, and the busiest of ep exceeds the mean by E[max of ep normals] standard deviations; a
+    capacity caps it."""
+    ranks = layout.ep
     if ranks == 1:
         return 1.0
     moe, share = job.model.moe, 1 / ranks
@@ -145,8 +112,8 @@ def layout_problem(job: Job, layout: Layout) -> str | None:
     if not layout.experts_over_tp and layout.fsdp_ranks % layout.ep:
         context = f" x cp {layout.cp}" if layout.cp > 1 else ""
         return f"ep {layout.ep} must divide dp {layout.dp}{context}"
-    if model.moe.experts % expert_group(layout):
-        return f"{model.moe.experts} experts do not split over {expert_group(layout)} ranks"
+    if model.moe.experts % layout.ep:
+        return f"{model.moe.experts} experts do not split over {layout.ep} ranks"
     if layout.moe_tp == "split" and expert_dim_of(model) % layout.tp:
         return f"expert hidden size {expert_dim_of(model)} does not split over tp {layout.tp}"
     return None
@@ -160,7 +127,7 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
     model, moe = job.model, job.model.moe
     projections = 3 if model.mlp == "swiglu" else 2
     width = expert_width(job, layout)
-    local_experts = moe.experts // expert_group(layout)
+    local_experts = moe.experts // layout.ep
     load = busiest_rank_load(job, layout)
     slots = slots_computed(job, layout) * load
     per_expert = slots / local_experts
@@ -177,7 +144,7 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
     nbytes = job.precision.activation_bytes
     exchanges = layout.forward_passes(job) + 1  # dispatch + combine per pass: forward(s), backward
     stride = 1 if layout.experts_over_tp else layout.tp
-    one_s = all_to_all_seconds(slots * model.dim * nbytes, expert_group(layout), stride, profile)
+    one_s = all_to_all_seconds(slots * model.dim * nbytes, layout.ep, stride, profile)
     return MoEWork(
         gemm_s=expert_gemm_s + router_s + shared_s,
         expert_gemm_s=expert_gemm_s,
@@ -188,33 +155,26 @@ def moe_work(job: Job, layout: Layout, profile: HardwareProfile, gemm_seconds) -
 
 
 def exposed_all_to_all_seconds(work: MoEWork, overlap: str, block_s: float) -> float:
-    """What of the layer's all-to-alls stays on the critical path: all of it without overlap; with it,
-    the first chunk and whatever outlasts the expert GEMMs it runs beside (the forward's alone under
-    "forward", a third of them). Under "batch" a micro-batch's forward runs beside another's backward,
-    layer by layer (Megatron-Core's overlap_moe_expert_parallel_comm, pipeline_parallel/combined_1f1b.py):
-    the forward's exchanges hide behind the other's backward through the whole block (two thirds of
-    `block_s`, the block's compute a micro-batch), the backward's behind its forward (a third)."""
+    """What of the layer's all-to-alls stays on the critical path: all without overlap; with it ("both") the
+    first chunk and what outlasts the expert GEMMs beside it; under "batch" (Megatron-Core's
+    overlap_moe_expert_parallel_comm) the forward's behind another micro-batch's backward (two thirds of
+    `block_s`), the backward's behind its forward."""
     if overlap == "none" or not work.all_to_all_s:
         return work.all_to_all_s
     if overlap == "batch":
         backward_exchanges_s = work.all_to_all_s - work.forward_all_to_all_s
         forward_exposed_s = max(0.0, work.forward_all_to_all_s - 2 * block_s / 3)
         return forward_exposed_s + max(0.0, backward_exchanges_s - block_s / 3)
-    if overlap == "forward":
-        hidden_s, beside_s = work.forward_all_to_all_s, work.expert_gemm_s / 3
-    else:
-        hidden_s, beside_s = work.all_to_all_s, work.expert_gemm_s
-    exposed_s = hidden_s / EP_OVERLAP_CHUNKS + max(0.0, hidden_s - beside_s)
-    return work.all_to_all_s - hidden_s + min(hidden_s, exposed_s)
+    hidden_s = work.all_to_all_s
+    return min(hidden_s, hidden_s / EP_OVERLAP_CHUNKS + max(0.0, hidden_s - work.expert_gemm_s))
 
 
 def moe_block_params(job: Job, layout: Layout) -> tuple[float, float]:
-    """(parameters of one MoE block's layer outside the routed experts, the routed experts) one device
-    holds: router and shared experts split like a dense MLP under "split", whole otherwise."""
+    """(an MoE block's layer outside the routed experts, the routed experts) one device holds."""
     model, moe = job.model, job.model.moe
     expert = expert_params(model)
     split = layout.tp if layout.moe_tp == "split" else 1
-    routed = moe.experts * expert / split / expert_group(layout)
+    routed = moe.experts * expert / split / layout.ep
     return model.dim * moe.experts + moe.shared_experts * expert / split, routed
 
 
@@ -226,11 +186,8 @@ def expert_data_parallel(layout: Layout) -> tuple[int, int]:
 
 
 def moe_activation_bytes(job: Job, layout: Layout, weighted_activation: bool = False) -> float:
-    """Activations one MoE layer keeps for its backward, per micro-batch, on one device (without the
-    attention's): each routed slot's input and output (h wide) and its expert's two projections and their
-    product (expert width), the shared experts' the same per token; full recomputation keeps none. With
-    `weighted_activation` the router's weights scale each slot inside its expert's activation, so the
-    output, summed back unweighted, is not kept (`Features.moe_weighted_activation`)."""
+    """Activations one MoE layer keeps per micro-batch on one device: each slot's input, output (unless
+    `weighted_activation`) and expert projections, the shared experts' per token."""
     if layout.recompute == "full":
         return 0.0
     model, moe = job.model, job.model.moe

@@ -6,10 +6,6 @@ devices per node. The GPU figures are vendor datasheet numbers, not measurements
 one H100 measured; no link between GPUs has been); the CPU profile is built only from what `megascale
 calibrate` measured on this machine and refuses to exist before that. Peak FLOP/s come from the same table
 MFU uses (`megascale.observe.peak`), so a planned MFU and a measured one divide by the same number.
-
-Bandwidths are per device and per direction. Inter-node bandwidth is the device's own NIC: the MegaScale
-servers have eight 200 Gb/s NICs wired multi-rail, one per GPU (paper §3.6), as DGX-class A100/H100
-servers do (one 200 or 400 Gb/s NIC per GPU).
 """
 
 from __future__ import annotations
@@ -37,19 +33,12 @@ class HardwareProfile:
     nodes_per_pod: int
     gemm_efficiency: float  # fraction of peak a large GEMM reaches
     gemm_half_flops: float  # GEMM size (FLOPs) at which it reaches half of gemm_efficiency
-    # Fraction of peak of the device's fastest fused attention kernel (FlashAttention-2 on Ampere, cuDNN's
-    # on Hopper), and its work (FLOPs, forward + backward) at half that fraction; 0: any size.
-    attention_efficiency: float
-    attention_half_flops: float
+    attention_efficiency: float  # fraction of peak of the device's fastest fused attention kernel
+    attention_half_flops: float  # ... and its work (FLOPs) at half that fraction; 0: any size
     flash2_attention_speed: float  # FlashAttention-2's rate as a fraction of that kernel's
-    # An MoE layer's experts as one grouped GEMM per projection: the fraction it reaches of the rate the
-    # GEMM curve above gives a GEMM of one expert's shape, and what the layer's other operators (router,
-    # sort, gather, scatter) add to its time, as a fraction of the grouped GEMMs' (plan/experts.py).
-    grouped_gemm_efficiency: float
-    moe_operator_overhead: float
-    # A float8 GEMM's fraction of the float8 peak, as a share of the fraction the GEMM curve above gives
-    # a bf16 GEMM of the same shape of the bf16 peak.
-    float8_gemm_efficiency: float
+    grouped_gemm_efficiency: float  # an MoE layer's grouped GEMMs against the curve's one-expert GEMM
+    moe_operator_overhead: float  # the MoE layer's router, sort, gather, scatter: a share of those GEMMs'
+    float8_gemm_efficiency: float  # a float8 GEMM's fraction of its peak, over bf16's of its own
     network_efficiency: float  # fraction of the link bandwidth a collective achieves (bus bandwidth)
     source: str
     # What only a CPU profile measures (`megascale.plan.profiles`, from `megascale calibrate`); a GPU's
@@ -58,16 +47,14 @@ class HardwareProfile:
     layer_overhead_s: float = 0.0  # host time per block per micro-batch the device cannot hide
     model_overhead_s: float = 0.0  # the same for the rest of the model (embedding, output layer, loss)
     tp_layer_overhead_s: float = 0.0  # the same, added by tensor parallelism's operator dispatch
-    # ... and what it adds per byte of a micro-batch's activations (tokens x hidden) beyond its share of
-    # the compute: its copies and transfers where they take the cores that compute (gloo on a CPU).
-    # A profile that measures it has its TP communication inside these host times (tp_comm_measured).
+    # ... and per byte of a micro-batch's activations, its transfers taking the cores that compute (gloo);
+    # a profile that measures it has its TP communication inside these host times (tp_comm_measured).
     tp_layer_overhead_s_per_byte: float = 0.0
     tp_comm_measured: bool = False
     dp_layer_overhead_s: float = 0.0  # the same, added by sharded data parallelism's per-block hooks
     tp_model_overhead_s: float = 0.0  # what tensor parallelism adds to the rest of the model
     dp_model_overhead_s: float = 0.0  # what sharded data parallelism adds to the rest of the model
-    # Host time of the step's update (gradient norm, clipping, optimizer step) per block a device holds,
-    # for the rest of the model, and what DTensor tensor parallelism and FSDP add to each:
+    # The update's host time (norm, clipping, optimizer step) a block and for the rest; what TP, FSDP add:
     update_layer_overhead_s: float = 0.0
     update_model_overhead_s: float = 0.0
     tp_update_layer_overhead_s: float = 0.0
@@ -89,11 +76,10 @@ def _peaks(device: str) -> dict[str, float]:
     return {dtype: tflops for (needle, dtype), tflops in PEAK_TFLOPS.items() if needle == device}
 
 
-# The calibration constants, the same for every GPU profile (docs/planning.md, "Calibration constants").
-# A large bf16 GEMM's fraction of the tensor-core peak: the one constant fitted, on MegaScale's published
-# Table 2 and Figure 9 (arXiv:2402.15627); one H100 measured 0.73-0.76 for lone large GEMMs
-# (docs/gpu.md#6-kernel-efficiency-at-the-planners-shapes), where the step's GEMMs share the device with
-# communication kernels.
+# The calibration constants of every GPU profile (docs/planning.md, "Calibration constants"). A large bf16
+# GEMM's fraction of the tensor-core peak: the one constant fitted, on MegaScale's Table 2 and Figure 9
+# (arXiv:2402.15627); lone large GEMMs on one H100 reached 0.73-0.76
+# (docs/gpu.md#6-kernel-efficiency-at-the-planners-shapes), a step's share the device with communication.
 GEMM_EFFICIENCY = 0.68
 # The GEMM size at half that fraction (a launch and tail of 2e9 FLOPs at the large-GEMM rate): the curve
 # it gives was checked against the H100's GEMMs of 11-1,100 GFLOPs, reading 0.58-0.68 where they measured
@@ -105,8 +91,8 @@ AMPERE_ATTENTION_EFFICIENCY = 0.55
 AMPERE_FLASH2_ATTENTION_SPEED = 1.0
 # Causal attention (torch's SDPA) forward + backward on one H100 at sequence 8,192, head size 128: 0.24 of
 # peak with 4 heads and 0.40 with 32, which e(f) = 0.45 f / (f + 1.7e11) passes through (f: the kernel's
-# FLOPs); an H200 measured 0.48-0.50 at 16,384-65,536 (docs/gpu.md#6-kernel-efficiency-at-the-planners-
-# shapes, docs/gpu.md#9-attention-beyond-sequence-8192-on-an-h200).
+# FLOPs), docs/gpu.md#6-kernel-efficiency-at-the-planners-shapes; an H200 measured 0.48-0.50 at 16,384-
+# 65,536 tokens, docs/gpu.md#9-attention-beyond-sequence-8192-on-an-h200.
 HOPPER_ATTENTION_EFFICIENCY = 0.45
 HOPPER_ATTENTION_HALF_FLOPS = 1.7e11
 # FlashAttention-2 on an H100 SXM5 runs at 0.61-0.63 of cuDNN's fused attention (causal, head size 128,
@@ -158,98 +144,61 @@ _HOPPER: dict[str, Any] = {
     "flash2_attention_speed": HOPPER_FLASH2_ATTENTION_SPEED,
 }
 
-# Each profile's figures are its vendor's, named in the comment above it and in its `source` (the NVIDIA V100,
-# A100, H100, H200, HGX B200 and GB200 NVL72 datasheets, the NVIDIA H800 product brief).
+
+def _gpu(
+    name: str, device: str, memory: tuple[float, float, float, float], source: str, **kind
+) -> HardwareProfile:
+    """A GPU profile: its peaks from the MFU table, (HBM bytes, HBM, NVLink and NIC bytes/s per direction)."""
+    hbm, hbm_rate, nvlink, nic = memory
+    return HardwareProfile(
+        name, _peaks(device), hbm, hbm_rate, nvlink, nic, source=source, **{**_GPU, **kind}
+    )
+
+
+# Each profile's figures are its vendor's, from the datasheet its `source` names. NVLink is per direction
+# (half the datasheet's both-ways figure); the NIC is one per GPU, wired multi-rail (MegaScale,
+# arXiv:2402.15627 §3.6), 200 Gb/s on the A100s of the paper and 400 Gb/s on the DGX H100, H200 and B200
+# (ConnectX-7). V100: a DGX-2H, Megatron-LM's 2019 servers, 16 GPUs on NVSwitch and 8 x 100 Gb/s EDR for
+# them; no bf16, so plans default to float16. H800: the H100's tensor cores and HBM3, NVLink limited to
+# 400 GB/s. B200 (1,000 W) and GB200 (1,200 W): dense bf16 and fp8 (the datasheets' larger figures are
+# with 2:4 sparsity); a GB200 NVL72 rack is one NVLink domain of 72 GPUs, and a pod the DGX SuperPOD's
+# scalable unit of 8 racks (https://docs.nvidia.com/dgx-superpod/reference-architecture-scalable-
+# infrastructure-gb200/latest/dgx-superpod-architecture.html).
 PROFILES: dict[str, HardwareProfile] = {
-    # NVIDIA Tesla V100 datasheet (SXM2 32GB): fp16 tensor cores 125 TFLOPS, fp32 15.7, HBM2 900 GB/s,
-    # NVLink 300 GB/s (both directions); no bf16, so plans default to float16. Node: DGX-2H (Megatron-LM's
-    # 2019 runs): 16 GPUs on NVSwitch, 8 x 100 Gb/s InfiniBand EDR for the 16 (50 Gb/s per GPU).
-    "v100": HardwareProfile(
-        name="V100-SXM2-32GB",
-        peak_tflops=_peaks("V100"),
-        hbm_bytes=32e9,
-        hbm_bytes_per_s=900e9,
-        intra_node_bytes_per_s=150e9,
-        inter_node_bytes_per_s=6.25e9,
-        source="NVIDIA V100 datasheet; DGX-2H (16 GPUs, 8 x 100 Gb/s EDR)",
-        **{**_GPU, "devices_per_node": 16},
+    "v100": _gpu(
+        "V100-SXM2-32GB", "V100", (32e9, 900e9, 150e9, 6.25e9),
+        "NVIDIA V100 datasheet; NVIDIA DGX-2H datasheet", devices_per_node=16,
     ),
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): bf16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink
-    # 600 GB/s (both directions); https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
-    # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf. NIC: 200 Gb/s per GPU, as in the paper (§3.6).
-    "a100": HardwareProfile(
-        name="A100-SXM4-80GB",
-        peak_tflops=_peaks("A100"),
-        hbm_bytes=80e9,
-        hbm_bytes_per_s=2039e9,
-        intra_node_bytes_per_s=300e9,
-        inter_node_bytes_per_s=25e9,
-        source="NVIDIA A100 datasheet; 200 Gb/s NIC per GPU (MegaScale paper §3.6)",
-        **_GPU,
+    "a100": _gpu(
+        "A100-SXM4-80GB", "A100", (80e9, 2039e9, 300e9, 25e9),
+        "NVIDIA A100 datasheet (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+        "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf); 200 Gb/s NIC per GPU (MegaScale paper §3.6)",
     ),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16 989 TFLOPS dense, 80 GB HBM3 at 3.35 TB/s, NVLink
-    # 900 GB/s; https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet. NIC:
-    # ConnectX-7 400 Gb/s per GPU (NVIDIA DGX H100 datasheet).
-    "h100": HardwareProfile(
-        name="H100-SXM5-80GB",
-        peak_tflops=_peaks("H100"),
-        hbm_bytes=80e9,
-        hbm_bytes_per_s=3350e9,
-        intra_node_bytes_per_s=450e9,
-        inter_node_bytes_per_s=50e9,
-        source="NVIDIA H100 datasheet; DGX H100 datasheet (400 Gb/s NIC per GPU)",
+    "h100": _gpu(
+        "H100-SXM5-80GB", "H100", (80e9, 3350e9, 450e9, 50e9),
+        "NVIDIA H100 datasheet (https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-"
+        "datasheet); NVIDIA DGX H100 datasheet (400 Gb/s NIC per GPU)",
         **_HOPPER,
     ),
-    # NVIDIA H800 SXM5 (export variant of H100): same tensor cores and HBM3 as H100 SXM5, NVLink limited to
-    # 400 GB/s; NVIDIA H800 product brief (https://www.nvidia.cn/data-center/h800/). NIC: 400 Gb/s per GPU.
-    "h800": HardwareProfile(
-        name="H800-SXM5-80GB",
-        peak_tflops=_peaks("H800"),
-        hbm_bytes=80e9,
-        hbm_bytes_per_s=3350e9,
-        intra_node_bytes_per_s=200e9,
-        inter_node_bytes_per_s=50e9,
-        source="NVIDIA H800 product brief; 400 Gb/s NIC per GPU",
+    "h800": _gpu(
+        "H800-SXM5-80GB", "H800", (80e9, 3350e9, 200e9, 50e9),
+        "NVIDIA H800 product brief (https://www.nvidia.cn/data-center/h800/); 400 Gb/s NIC per GPU",
         **_HOPPER,
     ),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): bf16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink
-    # 900 GB/s; https://www.nvidia.com/en-us/data-center/h200/. NIC: 400 Gb/s per GPU (DGX H200).
-    "h200": HardwareProfile(
-        name="H200-SXM-141GB",
-        peak_tflops=_peaks("H200"),
-        hbm_bytes=141e9,
-        hbm_bytes_per_s=4800e9,
-        intra_node_bytes_per_s=450e9,
-        inter_node_bytes_per_s=50e9,
-        source="NVIDIA H200 datasheet; DGX H200 (400 Gb/s NIC per GPU)",
+    "h200": _gpu(
+        "H200-SXM-141GB", "H200", (141e9, 4800e9, 450e9, 50e9),
+        "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/); 400 Gb/s NIC per GPU",
         **_HOPPER,
     ),
-    # NVIDIA HGX B200 (1,000 W): bf16 2.25 PFLOPS dense (the datasheet's 4.5 is with 2:4 sparsity), fp8
-    # 4.5, 180 GB HBM3e at 7.7 TB/s (1.44 TB and 62 TB/s for 8 GPUs), NVLink 5 at 1.8 TB/s (both
-    # directions); https://www.nvidia.com/en-us/data-center/hgx/. NIC: ConnectX-7 400 Gb/s per GPU (DGX B200).
-    "b200": HardwareProfile(
-        name="B200-SXM-180GB",
-        peak_tflops=_peaks("B200"),
-        hbm_bytes=180e9,
-        hbm_bytes_per_s=7700e9,
-        intra_node_bytes_per_s=900e9,
-        inter_node_bytes_per_s=50e9,
-        source="NVIDIA HGX B200 datasheet; DGX B200 (400 Gb/s NIC per GPU)",
+    "b200": _gpu(
+        "B200-SXM-180GB", "B200", (180e9, 7700e9, 900e9, 50e9),
+        "NVIDIA HGX B200 datasheet (https://www.nvidia.com/en-us/data-center/hgx/); 400 Gb/s NIC per GPU",
         **_HOPPER,
     ),
-    # NVIDIA GB200 NVL72 (B200 at 1,200 W): bf16 2.5 PFLOPS dense, fp8 5, 186 GB HBM3e at 8 TB/s (13.4 TB
-    # and 576 TB/s for 72 GPUs), NVLink 5 at 1.8 TB/s across all 72 GPUs of a rack, which is one NVLink
-    # domain (a "node" here); https://www.nvidia.com/en-us/data-center/gb200-nvl72/. NIC: 400 Gb/s per GPU.
-    # A pod: the DGX SuperPOD's scalable unit of 8 racks (https://docs.nvidia.com/dgx-superpod/reference-
-    # architecture-scalable-infrastructure-gb200/latest/dgx-superpod-architecture.html).
-    "gb200": HardwareProfile(
-        name="GB200-NVL72",
-        peak_tflops=_peaks("GB200"),
-        hbm_bytes=186e9,
-        hbm_bytes_per_s=8000e9,
-        intra_node_bytes_per_s=900e9,
-        inter_node_bytes_per_s=50e9,
-        source="NVIDIA GB200 NVL72 datasheet (72 GPUs in one NVLink domain); 400 Gb/s NIC per GPU",
+    "gb200": _gpu(
+        "GB200-NVL72", "GB200", (186e9, 8000e9, 900e9, 50e9),
+        "NVIDIA GB200 NVL72 datasheet (https://www.nvidia.com/en-us/data-center/gb200-nvl72/; 72 GPUs in one "
+        "NVLink domain); 400 Gb/s NIC per GPU",
         **{**_HOPPER, "devices_per_node": 72, "nodes_per_pod": 8},
     ),
-}
+}  # fmt: skip

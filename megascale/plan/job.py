@@ -1,8 +1,7 @@
 """What the cost model is asked about: a job (model, sequence, batch), a layout, the system's features.
 
-These are plain values, separate from the training config: the planner also describes systems megascale
-is not (Megatron-LM as the MegaScale paper ran it), and layouts no config has yet. `layout_from_config`
-reads a layout from a megascale job config, so a planned layout and a trained one are the same thing.
+Plain values, apart from the training config: the planner also describes systems megascale is not, and
+layouts no config has yet; `layout_from_config` reads a layout from a megascale config.
 """
 
 from __future__ import annotations
@@ -53,17 +52,9 @@ class Job:
     global_batch: int
     dtype: str = "bfloat16"
     precision: Precision = MIXED_BF16
-    # The blocks' linear layers in float8 (torchao's float8 training, megascale's training.fp8): their GEMMs
-    # at the float8 peak, plus casting their inputs and output gradients; attention, the output layer and
-    # the MFU's peak stay in `dtype`.
-    fp8: bool = False
-    # ... with their weights all-gathered in float8 (megascale's training.fp8_all_gather, torchao's float8
-    # all-gather): each rank casts its shard before each gather, and the layers cast no weight after.
-    fp8_all_gather: bool = False
-    # Whether the blocks apply dropout in training (Megatron-LM's GPT defaults, 0.1), keeping a one-byte
-    # mask per element for the backward; megascale's models, and Llama-style ones, have none (and at
-    # p = 0 torch's dropout returns its input, keeping nothing).
-    dropout: bool = False
+    fp8: bool = False  # the blocks' linear layers in float8 (training.fp8); the rest stays in `dtype`
+    fp8_all_gather: bool = False  # ... their weights gathered in float8 (training.fp8_all_gather)
+    dropout: bool = False  # Megatron-LM's GPTs train with dropout (a byte of mask an element kept)
 
     @property
     def linear_dtype(self) -> str:
@@ -81,12 +72,9 @@ RECOMPUTES = ("none", "selective", "op", "full")
 
 @dataclass(frozen=True)
 class Layout:
-    """How the job is spread over devices; tp x pp x dp x cp = devices.
-
-    `dp` counts the batches one step reads at once (data-parallel replicas of the work); the `cp` ranks of
-    a context-parallel ring split each of those batches' sequences and are counted apart from it. They are
-    data-parallel ranks to the weights all the same: gradients are reduced, and ZeRO shards, over dp x cp
-    ranks (`fsdp_ranks`), as megascale's trainer puts cp inside `parallel.dp_shard`."""
+    """How the job is spread over devices, tp x pp x dp x cp of them: dp counts the batches a step reads at
+    once, the cp ranks of a ring split their sequences; to the weights both are data-parallel ranks
+    (`fsdp_ranks`), as the trainer's dp_shard holds cp."""
 
     tp: int = 1
     pp: int = 1
@@ -94,38 +82,19 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     micro_batch: int = 1
     zero_stage: int = 1  # 1: optimizer state sharded over dp; 2: + gradients; 3: + weights
-    # "none", "selective" (the attention core: Korthikanti et al. 2022), "op" (torchtitan's selective op
-    # checkpointing: every second matmul of a block and its element-wise operators) or "full" (whole blocks)
-    recompute: str = "selective"
+    recompute: str = "selective"  # RECOMPUTES: the attention core, torchtitan's "op" set, or whole blocks
     sequence_parallel: bool = True
-    # Mixture of experts (docs/planning.md, "Mixture of experts"): the routed experts are split over ep
-    # ranks, which are data-parallel ranks (of the dp x cp that hold the same weights) unless moe_tp is
-    # "ep" (then tp ranks: ep/tp tp groups).
+    # Mixture of experts (docs/planning.md, "Mixture of experts"): the routed experts over ep ranks, and
+    # how the layer uses the tp ranks: each expert split ("split", Megatron-LM), the layer whole on each
+    # ("whole", megascale's trainer), or the tp ranks as expert-parallel ranks ("ep", MegaScale-MoE); and
+    # the attention's: heads split ("tp") or the sequence, DeepSpeed-Ulysses' all-to-alls around it ("sp").
     ep: int = 1
-    # How an MoE layer uses the tp ranks: "split" (each expert's hidden size split, tokens all-gathered
-    # and reduce-scattered as for a dense MLP: Megatron-LM), "whole" (computed whole on every tp rank
-    # on the whole sequence: megascale's trainer by default), "ep" (the tp ranks are expert-parallel
-    # ranks, each sending its share of the sequence by all-to-all: MegaScale-MoE, and megascale's trainer
-    # with parallel.moe_tp = "ep").
     moe_tp: str = "split"
-    # How attention uses the tp ranks: "tp" (heads split, Megatron's TP + SP) or "sp" (every rank holds
-    # the whole weights and a share of the sequence; queries, keys and values exchanged by all-to-all to
-    # split the heads for the attention core: DeepSpeed-Ulysses, MegaScale-MoE's attention).
     attention: str = "tp"
-    # Context parallelism (docs/planning.md, "Context parallelism"): every sequence split over cp adjacent
-    # data-parallel ranks, 2 of its 2 x cp chunks each, attention passing keys and values around their ring.
-    cp: int = 1
-
-    # A zero-bubble schedule (ZB-V, DualPipeV: 2 chunks a rank in a V, weight gradients in the bubble)
-    zero_bubble: bool = False
-    # How the layers are cut into pp x v stages (megascale's parallel.pp_split, `megascale.plan.stages`):
-    # equal counts, the earlier stages taking the remainder ("uniform"), or balanced by parameters with the
-    # embedding and the output layer counted toward the first and the last stage ("params").
-    stage_split: str = "uniform"
-    # Activation offload (megascale's parallel.activation_offload): every block but each chunk's last moves
-    # what it keeps off the device until its backward, which fetches it back (one block ahead on an
-    # accelerator; on a CPU when autograd asks for it).
-    offload: bool = False
+    cp: int = 1  # context-parallel ranks of a ring, each holding 2 of a sequence's 2 x cp chunks
+    zero_bubble: bool = False  # a zero-bubble V schedule (ZB-V, DualPipeV)
+    stage_split: str = "uniform"  # how the layers are cut into pp x v stages (parallel.pp_split)
+    offload: bool = False  # activation offload (parallel.activation_offload)
 
     @property
     def devices(self) -> int:
@@ -133,21 +102,16 @@ class Layout:
 
     @property
     def fsdp_ranks(self) -> int:
-        """Ranks that hold the same weights (ZeRO shards and gradient reduction span them): the data- and
-        context-parallel ranks."""
+        """Ranks that hold the same weights (ZeRO shards over them): the data- and context-parallel ranks."""
         return self.dp * self.cp
 
     def micro_batches(self, job: Job) -> int:
         """Micro-batches each pipeline runs per step."""
         return job.global_batch // (self.dp * self.micro_batch)
 
-    def recomputed_share(self, job: Job) -> float:
-        """The share of the blocks whose forward the backward runs again whole (full recomputation)."""
-        return 1.0 if self.recompute == "full" else 0.0
-
-    def forward_passes(self, job: Job) -> float:
+    def forward_passes(self, job: Job) -> int:
         """Forward passes a block runs a step: its own, and again in the backward under full recomputation."""
-        return 1 + self.recomputed_share(job)
+        return 2 if self.recompute == "full" else 1
 
     def local_seq_len(self, job: Job) -> int:
         """Positions of each sequence one rank computes: its 2 chunks of 2 x cp under context parallelism."""
@@ -177,85 +141,51 @@ class Layout:
 
 @dataclass(frozen=True)
 class Features:
-    """Which of the system's optimisations are on (paper §3); all off is Megatron-LM as the paper ran it."""
+    """What a system overlaps, fuses and can run (MegaScale, arXiv:2402.15627 §3; docs/planning.md, "The
+    model"); all off is Megatron-LM as the paper ran it. `megascale.plan.systems` names each system's."""
 
     tp_overlap: bool = False  # chunked all-gather/GEMM and GEMM/reduce-scatter (§3.2, Fig. 3)
     tp_overlap_attention: bool = False  # ... of the attention's projections too in a serial block
-    # Without that: the column-parallel layers' backward collectives behind their own gradient GEMMs
-    # (Megatron-LM from September 2021, LinearWithGradAccumulationAndAsyncCommunication).
-    tp_backward_overlap: bool = False
+    tp_backward_overlap: bool = False  # the column-parallel backward's collectives beside its GEMMs
     pp_overlap: bool = False  # decoupled, asynchronous send/receive (§3.2, Fig. 4)
     dp_overlap: bool = False  # per-chunk all-gather / reduce-scatter behind compute (§3.2)
-    # Whether that overlap holds with a pipeline too: Megatron-LM in 2021-2022 ran torch's DDP, whose
-    # buckets reduce behind the last micro-batch's backward, only without one (SC'21's scripts).
-    dp_overlap_pipelined: bool = True
-    # The device's fastest fused attention (FlashAttention-2 on Ampere, §3.3), fused LayerNorm and GeLU.
-    fused_kernels: bool = False
-    # Without them, how the element-wise operators run: "kernels", one kernel each (Megatron-LM's, counted
-    # as ELEMENTWISE_PASSES_UNFUSED), or "eager", the model's composite operators as torch's eager mode
-    # runs them (an RMSNorm's upcast, square, mean and scalings each a pass; `eager_elementwise_bytes`).
+    dp_overlap_pipelined: bool = True  # ... with a pipeline too (torch's DDP: only without one)
+    fused_kernels: bool = False  # the device's fastest attention, fused LayerNorm and GeLU (§3.3)
+    # Without them: the element-wise operators one kernel each ("kernels") or as torch's eager mode runs
+    # the model's composite operators ("eager"); attention in FlashAttention-1 ("flash"), -2 ("flash2"),
+    # the device's fastest ("fused") or over materialised scores ("materialized").
     elementwise: str = "kernels"
-    # The attention kernel without them: the device's fastest ("fused": torch's scaled_dot_product_attention
-    # as megascale's torch runs it, measured at that rate on an H100 and an H200), FlashAttention-2
-    # ("flash2": torch's SDPA in 2024), FlashAttention-1 ("flash": Megatron-LM as the paper ran it) or
-    # materialised scores ("materialized": Megatron-LM before FlashAttention, 2021-2022).
     attention_kernel: str = "flash"
     async_data: bool = False  # data preprocessing behind the gradient sync (§3.4)
-    # Context parallelism's ring: each step's keys and values (and in the backward their gradients) sent
-    # to the next rank while the step's attention blocks compute (megascale's parallel.overlap.cp).
-    cp_overlap: bool = False
-    # The expert-parallel all-to-alls behind the experts' GEMMs, in chunks (MegaScale-MoE §4): "none",
-    # "forward", or "both" (forward and backward: MegaScale-MoE, and megascale's parallel.overlap.ep); or
-    # "batch", behind another micro-batch's block (Megatron-Core's overlap_moe_expert_parallel_comm).
+    cp_overlap: bool = False  # the ring's transfers beside each ring step's attention
+    # The all-to-alls behind the experts' GEMMs ("both", MegaScale-MoE's) or behind another micro-batch's
+    # block ("batch", Megatron-Core's overlap_moe_expert_parallel_comm).
     ep_overlap: str = "none"
-    # The ways the system lays an MoE layer over the tp ranks (Layout.moe_tp): Megatron-LM splits each
-    # expert; MegaScale-MoE makes the tp ranks the expert-parallel group, with sequence-parallel attention
-    # (`moe_attention`); megascale's trainer computes the layer whole on each, or as MegaScale-MoE does
-    # with its own attention (heads split, Megatron's TP + SP).
-    moe_tp: tuple[str, ...] = ("split",)
-    moe_attention: str = "sp"
-    # Whether the router's weights scale each token slot inside its expert's activation, so the layer
-    # keeps no expert output for the backward (Megatron-Core since April 2025, commit 2659630721:
-    # weighted_bias_swiglu_impl in moe/experts.py), or multiply the experts' outputs (megascale's layer).
-    moe_weighted_activation: bool = False
-    dp_sync_per_micro_batch: bool = False  # megascale's FSDP2: DP traffic every micro-batch (ZeRO 2, 3)
-    # What the system's data parallelism can shard (searched): FSDP's ZeRO-3 and ZeRO-2
-    # (reshard_after_forward, https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+    moe_tp: tuple[str, ...] = ("split",)  # the ways it lays an MoE layer over the tp ranks (Layout.moe_tp)
+    moe_attention: str = "sp"  # the attention beside experts over the tp ranks (Layout.attention)
+    moe_weighted_activation: bool = False  # the router's weights inside the experts' activation
+    dp_sync_per_micro_batch: bool = False  # FSDP: data-parallel traffic every micro-batch (ZeRO 2, 3)
+    # What its data parallelism can shard (searched): FSDP's ZeRO-3 and ZeRO-2 (reshard_after_forward,
+    # https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
     zero_stages: tuple[int, ...] = (2, 3)
-    model_parallel: bool = True  # whether the system splits the model (TP, PP); FSDP-only ones do not
-    # Whether the system splits the sequence over the tp ranks outside the tensor-parallel layers
-    # (Megatron-LM from 2022, Korthikanti et al.), and the activation recomputation it offers (searched).
-    sequence_parallel: bool = True
-    recomputes: tuple[str, ...] = ("none", "selective", "full")
-    # Without sequence parallelism each tp rank sends only its slice of a pipeline transfer (Megatron-LM's
-    # scatter/gather); megascale's trainer sends the whole tensor from each.
-    pp_scatter_gather: bool = True
-    # Per-step host work that stalls the devices (data loading, GC: MegaScale, arXiv:2402.15627 §3.4, §6.3).
+    model_parallel: bool = True  # whether it splits the model (TP, PP, CP); FSDP-only systems do not
+    sequence_parallel: bool = True  # whether it splits the sequence beside TP (Korthikanti et al. 2022)
+    recomputes: tuple[str, ...] = ("none", "selective", "full")  # the recomputation it offers
+    pp_scatter_gather: bool = True  # without SP, each tp rank sends its slice of a pipeline transfer
+    # Per-step host work that stalls the devices (data loading, GC: MegaScale, arXiv:2402.15627 §3.4).
     host_overhead_s: float = 0.0
-    # How a dense block's activations are counted: as Korthikanti et al. count them, for the block's shape
-    # (`megascale.plan.memory.block_bytes_per_token`), or as megascale's own model saves them.
-    own_blocks: bool = False
-    # Whether the system cuts layers into stages of unequal counts (megascale's trainer, `plan/stages.py`)
-    # or needs pp x v to divide them (Megatron-LM asserts it).
-    uneven_stages: bool = False
-    # The fewest pipeline stages the system interleaves model chunks over (None: it has no interleaved
-    # schedule, as DeepSpeed's pipeline engine). Megatron-LM refused virtual stages unless pp > 2
-    # (https://github.com/NVIDIA/Megatron-LM/blob/core_r0.7.0/megatron/core/parallel_state.py) until
-    # Megatron-Core 0.8; torch's pipelining, megascale's trainer, interleaves two.
+    own_blocks: bool = False  # activations as megascale's model saves them, not Korthikanti's count
+    uneven_stages: bool = False  # whether it cuts layers into stages of unequal counts
+    # The fewest pipeline stages it interleaves chunks over (None: no interleaved schedule); Megatron-LM
+    # refused virtual stages unless pp > 2 until Megatron-Core 0.8
+    # (https://github.com/NVIDIA/Megatron-LM/blob/core_r0.7.0/megatron/core/parallel_state.py).
     interleaved_min_pp: int | None = 3
-    # Whether gradients are allocated as the backward makes them (autograd's, FSDP's) rather than held in a
-    # buffer through the step (Megatron-LM's and DeepSpeed's contiguous gradient buffers): a step of one
-    # micro-batch without a pipeline then peaks below its activations plus every gradient.
-    grads_as_made: bool = False
-    # Bytes the loss keeps per logit at its peak: float32 logits and their gradient, 4 + 4 (Megatron-LM's
-    # vocab-parallel cross entropy casts the logits to float32: https://github.com/NVIDIA/Megatron-LM/blob/
-    # main/megatron/core/tensor_parallel/cross_entropy.py; torch's over float32 logits), or a
-    # fused cross entropy's bfloat16 logits and bfloat16 gradient (flash-attn's, llm-foundry's default).
+    grads_as_made: bool = False  # gradients made during the backward, not held in a buffer all step
+    # Bytes the loss keeps per logit at its peak: float32 logits and gradient (Megatron-LM's cross entropy,
+    # https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/tensor_parallel/cross_entropy.py), or
+    # 4 for a fused one's bfloat16 pair.
     loss_bytes_per_logit: int = 8
-    # Whether a float8 job's linear layers keep the inputs they read for the weight-gradient GEMM in
-    # float8 (Transformer Engine's: transformer_engine/pytorch/module/linear.py saves the quantized input)
-    # or in bfloat16, cast again in the backward (torchao's float8 training, megascale's training.fp8).
-    float8_keeps_inputs: bool = False
+    float8_keeps_inputs: bool = False  # float8 layers keep their inputs in float8 (Transformer Engine's)
 
     @property
     def host_stall_s(self) -> float:
@@ -264,8 +194,7 @@ class Features:
 
     @property
     def attention(self) -> str:
-        """The attention kernel the system runs (`megascale.plan.compute.attention_seconds`): the device's
-        fastest with fused kernels, else `attention_kernel`."""
+        """The attention kernel the system runs: the device's fastest with fused kernels."""
         return "fused" if self.fused_kernels else self.attention_kernel
 
 
@@ -279,8 +208,7 @@ class Cluster:
 
 
 def layout_from_config(cfg: JobConfig, devices: int) -> Layout:
-    """The layout a megascale config would train with on `devices` processes: the trainer's dp_shard
-    holds the cp ranks, so the data-parallel degree (batches per step) is the rest over cp."""
+    """The layout a megascale config trains with on `devices` processes (dp_shard holds the cp ranks)."""
     par = cfg.parallel
     dp = devices // (par.tp * par.pp * par.cp)
     over_tp = par.moe_tp == "ep" and par.tp > 1 and cfg.model.moe.experts > 0

@@ -1,21 +1,7 @@
-"""Bytes one device holds at its peak: weights, gradients and optimizer state by ZeRO stage, activations.
-
-Training state follows ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over data
-parallelism, stage 2 the gradients too, stage 3 the weights too (paper §2: MegaScale uses stage 2).
-Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", Eqs. 1-3): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations for a GPT block,
-counted tensor by tensor for other shapes (`block_bytes_per_token`: grouped-query attention, SwiGLU, no
-dropout), sequence parallelism dividing everything by t. The attention-score term 5*a*s/h (2*a*s/h
-without dropout) counts only where the scores are materialised
-(no FlashAttention kernel, `megascale.plan.compute`) and not recomputed: a FlashAttention kernel keeps no
-scores, and selective recomputation (Korthikanti et al.'s) drops exactly them. Full recomputation keeps
-only each block's input; torchtitan's selective op checkpointing ("op") the block's input, the attention
-kernel's output and the outputs of every other matmul (`megascale.plan.compute`). The pipeline's first stage
-holds the most micro-batches in flight: pp of them under 1F1B, pp * (1 + (pp - 1)/(pp * v)) interleaved.
-Context parallelism divides s by cp (each rank keeps its own positions' activations) and adds the ring's
-messages in flight (`megascale.plan.context`); the weights' data-parallel group is dp x cp ranks.
-megascale's own trainer is counted tensor by tensor as its model saves them (`trainer_block_bytes`), and
-activation offload leaves a device only the blocks `offload_held_blocks` names.
+"""Bytes one device holds at its peak: weights, gradients and optimizer state by ZeRO stage
+(arXiv:1910.02054), and activations counted tensor by tensor as Korthikanti et al. count a GPT block's
+(arXiv:2205.05198 §4) or as megascale's own model saves them, for the micro-batches in flight on the first
+stage (docs/planning.md, "The model").
 """
 
 from __future__ import annotations
@@ -31,20 +17,14 @@ from megascale.models.feed_forward import ffn_dim_of
 from megascale.models.flops import attention_params, matmul_params_per_layer
 from megascale.plan.compute import linear_shapes
 from megascale.plan.context import ring_buffer_bytes
-from megascale.plan.experts import (
-    expert_data_parallel,
-    moe_activation_bytes,
-    moe_block_params,
-    moe_layers,
-)
+from megascale.plan.experts import expert_data_parallel, moe_activation_bytes, moe_block_params, moe_layers
 from megascale.plan.job import Features, Job, Layout
 from megascale.plan.stages import most_blocks
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per device at the step's peak, by what they hold (the gradients made by then: all of them but
-    in a step of one micro-batch without a pipeline, `backward_moments`)."""
+    """Bytes per device at the step's peak, by what they hold."""
 
     weights_bytes: float
     grads_bytes: float
@@ -58,8 +38,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """Parameters one device holds that the same data-parallel group keeps copies of: `ranks` ranks,
-    `stride` apart, which ZeRO shards them over and gradient synchronisation spans."""
+    """Parameters one device holds that `ranks` ranks `stride` apart keep copies of (ZeRO shards them)."""
 
     params: float
     ranks: int
@@ -67,8 +46,7 @@ class ParamGroup:
 
 
 def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
-    """Parameters of the heaviest pipeline stage on one device (with the embedding or the output layer),
-    by data-parallel group: the routed experts, held by fewer ranks, apart from the rest."""
+    """Parameters of the heaviest stage on one device, by data-parallel group (routed experts apart)."""
     model = job.model
     layers = most_blocks(job, layout)
     moe_blocks = min(layers, moe_layers(model))  # the heaviest stage holds MoE blocks first
@@ -86,17 +64,14 @@ def stage_param_groups(job: Job, layout: Layout) -> list[ParamGroup]:
 
 
 def vocab_params(job: Job, layout: Layout) -> float:
-    """The embedding's and the output layer's parameters on the heaviest stage's device (one matrix when
-    they are tied or a pipeline puts them on different stages)."""
+    """The embedding's and output layer's parameters on the heaviest stage's device."""
     model = job.model
     split = layout.tp if layout.attention == "tp" else 1
     return model.vocab_size * model.dim * (1 if layout.pp > 1 or model.tie_embeddings else 2) / split
 
 
 def gathered_bytes(job: Job, layout: Layout, groups: list[ParamGroup]) -> list[float]:
-    """Bytes of each of `groups` (`stage_param_groups`) as data parallelism gathers them: the blocks'
-    weights at `Precision.block_gather_bytes`, the embedding's and the output layer's (in the first group)
-    at the weights' own bytes."""
+    """Bytes of each of `groups` as data parallelism gathers them (blocks at `block_gather_bytes`)."""
     precision, vocab = job.precision, vocab_params(job, layout)
     gathered = []
     for index, group in enumerate(groups):
@@ -106,8 +81,7 @@ def gathered_bytes(job: Job, layout: Layout, groups: list[ParamGroup]) -> list[f
 
 
 def gathers_copies(job: Job, layout: Layout) -> bool:
-    """Whether data parallelism gathers narrower copies of the blocks' weights than it holds (megascale's
-    FSDP under bfloat16): its masters are then sharded whatever the ZeRO stage."""
+    """Whether data parallelism gathers narrower copies than it holds (its masters then sharded)."""
     return job.precision.gathered_block_bytes is not None and layout.fsdp_ranks > 1
 
 
@@ -123,8 +97,7 @@ DEFAULT_SYSTEM = Features()
 
 @dataclass(frozen=True)
 class KeptPerToken:
-    """What a block keeps for its backward per token, in bytes at 2-byte activations
-    (`block_bytes_per_token`), by how tensor parallelism divides it."""
+    """What a block keeps for its backward per token (bytes at 2-byte activations), by what splits it."""
 
     split: float  # what only sequence parallelism splits over the tp ranks (else every rank keeps it)
     by_tp: float  # what every tp split divides (the heads', the ffn width's)
@@ -133,19 +106,10 @@ class KeptPerToken:
 
 
 def block_bytes_per_token(job: Job, features: Features = DEFAULT_SYSTEM) -> KeptPerToken:
-    """Korthikanti et al.'s count of what a block keeps for its backward, tensor by tensor, for the
-    block's shape. Split only by sequence parallelism: each norm's input, the input the attention's and
-    the MLP's column-parallel layers read (one, shared, in a parallel block), and with dropout a 1-byte
-    mask after the attention and one after the MLP. Split by tp: queries and keys (the scores' inputs),
-    values, the attention's output (which the output projection reads), and the MLP's ffn-wide tensors:
-    GeLU's input and output, or SwiGLU's gate and up projections and their product (Megatron's fused
-    SwiGLU recomputes the activation from the pair; an eager one, `Features.elementwise` "eager", keeps it
-    too). A GPT block (multi-head attention, a 4h GeLU MLP, dropout) is their 10 + 24 = 34 sbh; grouped-
-    query attention keeps narrower keys and values, a SwiGLU MLP more. Where the system keeps float8 inputs
-    (`Features.float8_keeps_inputs`), a float8 job's linear layers keep the inputs they read at a byte an
-    element, as Transformer Engine's do: the norms' outputs and the MLP's last ffn-wide tensor, which
-    nothing else keeps, in float8 only; the attention's output, which the attention kernel keeps for its
-    own backward, in both."""
+    """What a block keeps for its backward per token, tensor by tensor for its shape, as Korthikanti et al.
+    count a GPT block's 34 sbh (arXiv:2205.05198 §4): split only by sequence parallelism, the norms' and
+    column-parallel layers' inputs and dropout's masks; split by tp, q, k, v, the attention's output and
+    the MLP's ffn-wide tensors; float8 inputs at a byte where the system keeps them so."""
     model = job.model
     h, head = model.dim, head_dim_of(model)
     q, kv = model.attention.n_heads * head, model.attention.n_kv_heads * head
@@ -168,11 +132,8 @@ def block_bytes_per_token(job: Job, features: Features = DEFAULT_SYSTEM) -> Kept
 def activation_bytes_per_block(
     job: Job, layout: Layout, moe: bool = False, features: Features = DEFAULT_SYSTEM
 ) -> float:
-    """Activations one block keeps for its backward, per micro-batch, on one device, as the system
-    (`features`) keeps them (`block_bytes_per_token`); with `moe`, a block whose MLP is a mixture-of-experts
-    layer (`moe_activation_bytes`, as `Features.moe_weighted_activation` says); where the system's attention
-    materialises its scores (no FlashAttention kernel), its softmax's output too (and with dropout the mask
-    and the dropped-out scores: Korthikanti et al.'s 5as/h)."""
+    """Activations one block keeps for its backward, per micro-batch, on one device (with `moe`, its MLP an
+    MoE layer's), and materialised scores where the system keeps them (5as/h, 2as/h without dropout)."""
     s, b, t = layout.local_seq_len(job), layout.micro_batch, layout.tp
     scale = job.precision.activation_bytes / 2  # the counts are of 2-byte activations
     sharded = layout.sequence_parallel or layout.attention == "sp"
@@ -194,17 +155,8 @@ def activation_bytes_per_block(
 
 
 def trainer_block_bytes(job: Job, layout: Layout, on_cpu: bool = False) -> float:
-    """What one dense block of megascale's own model keeps for its backward, per micro-batch, on one
-    device, tensor by tensor as its operators save them (`tests/plan/test_memory.py` counts them on the
-    model itself): the residual stream and the norms in float32 (the weights are float32, autocast keeps
-    norms in float32), each norm's input and statistics; each linear layer's input, cast to bfloat16 once
-    per layer under autocast (its cache holds only the weights' casts, which the graph keeps too);
-    queries, keys, values, the attention's output and its log-sum-exp, in float32 where the attention runs
-    so (`on_cpu`: `megascale.models.attention.attends_in_float32`), with the output's bfloat16 cast for the
-    output projection; SwiGLU's four ffn-wide tensors or GeLU's two. Under tensor parallelism the heads
-    and the ffn width split over the tp ranks, the norms too with sequence parallelism; the linear
-    layers' inputs are whole sequences. Selective recomputation is counted as `activation_bytes_per_block`
-    counts it."""
+    """What one dense block of megascale's own model keeps for its backward, per micro-batch, on one device,
+    tensor by tensor as its operators save them (tests/plan/test_memory.py counts them on the model)."""
     model, t = job.model, layout.tp
     if layout.recompute in ("selective", "op"):
         return activation_bytes_per_block(job, layout)
@@ -247,13 +199,8 @@ def micro_batches_in_flight(job: Job, layout: Layout) -> float:
 def memory_per_device(
     job: Job, layout: Layout, features: Features = DEFAULT_SYSTEM, on_cpu: bool = False
 ) -> Memory:
-    """Peak bytes on the busiest device, as the system (`features`) keeps its tensors: its blocks'
-    activations (`activation_bytes_per_block`, or as megascale's model saves them where
-    `Features.own_blocks`, `trainer_block_bytes`), its gradients allocated as the backward makes them
-    (`Features.grads_as_made`: autograd's and FSDP's) or in a buffer held through the step (Megatron-LM's
-    and DeepSpeed's contiguous gradient buffers), and what its loss keeps per logit
-    (`Features.loss_bytes_per_logit`). `on_cpu`: a CPU, where the model picks its own kernels and offload
-    fetches nothing ahead."""
+    """Peak bytes on the busiest device, as the system keeps its tensors (`Features`); `on_cpu`: the model
+    picks its own kernels and offload fetches nothing ahead."""
     precision, zero = job.precision, layout.zero_stage
     groups = stage_param_groups(job, layout)
 
@@ -310,15 +257,9 @@ def backward_moments(
     blocks: int,
     fetch_ahead: bool,
 ) -> list[tuple[float, float]]:
-    """(activations held, gradients made) in each block's backward, the last block's first, of a step of
-    one micro-batch without a pipeline, whose gradients appear block by block as the activations go (its
-    peak is one of these moments or the loss, `memory_per_device`). Without offload block i's backward
-    still holds what blocks 0..i saved; with it, the last block holds its own, and another block what
-    autograd reads back: on a CPU one tensor at a time (`megascale.parallel.offload` reads each when its
-    node needs it), except a recomputed block's input, which comes back whole; on an accelerator the
-    block whole, and the one fetched ahead of it (for every block but the first). `working` is a
-    recomputed block's whole forward; `block_grads` one block's share of `grads`. The gradients outside
-    the blocks (the output layer's, the embedding's) count from the first moment."""
+    """(activations held, gradients made) in each block's backward, last block first, of a step of one
+    micro-batch without a pipeline; with offload, a block holds what it reads back and the block fetched
+    ahead."""
     moments = []
     for block in reversed(range(blocks)):
         held = saved * (block + 1)
@@ -331,10 +272,8 @@ def backward_moments(
 
 
 def offload_held_blocks(layout: Layout, blocks: float, in_flight: float, fetch_ahead: bool) -> float:
-    """Blocks' worth of activations a device holds at its peak under activation offload
-    (`megascale.parallel.offload`): the last block of each of its chunks keeps its own, for each
-    micro-batch in flight, and a block's forward or backward holds that block's; on an accelerator the
-    backward also holds the block fetched ahead of the one it is in."""
+    """Blocks' worth of activations held at the peak under offload: each chunk's last per micro-batch in
+    flight, the block run, and on an accelerator the one fetched ahead."""
     kept = in_flight * layout.virtual_stages
     ahead = 1 if fetch_ahead and blocks > 2 * layout.virtual_stages else 0
     return min(blocks * in_flight, kept + ahead)

@@ -1,17 +1,10 @@
-"""Topology-aware placement: which global rank holds which (pipeline, data, tensor) coordinate, and where.
+"""Topology-aware placement: which global rank holds which (pipeline, data, context, tensor) coordinate,
+and on which node and pod (MegaScale, arXiv:2402.15627 §2, §3.6).
 
-Ranks fill nodes in order (ranks 0..7 on node 0 for 8 GPUs per node) and nodes fill pods (64 servers share
-one set of ToR switches, paper §3.6). TP is always innermost, so a TP group sits inside one node on its
-fastest links; the choice left is which of DP and PP comes next. Paper §2 builds DP groups before PP
-groups, "which can mitigate cross-minipod communication for data parallelism": DP moves every gradient
-and weight in synchronised bursts, PP moves activations at stage boundaries, spread over the step.
-`choose_rank_order` keeps DP groups in the fewest pods and nodes, then PP groups; the orders are exactly the
-ones `parallel.rank_order` accepts (`megascale.layout.MESH_ORDERS`), so the launcher and the
-trainer number ranks the way the plan placed them. Context parallelism's ranks are data-parallel ranks
-(`parallel.dp_shard` holds them), cp adjacent ones to a ring, innermost, as `ParallelDims` splits
-dp_shard: a ring is cp ranks tp apart, and a DP group (the weights' FSDP and gradient group) is dp x cp
-ranks. `choose_rank_order` weighs a ring's span before a DP group's, as it moves keys and values every
-layer.
+Ranks fill nodes in order and nodes fill pods; TP is innermost, inside a node. Of the rank orders the
+trainer accepts (`megascale.layout.MESH_ORDERS`) the one whose context-parallel rings, then data-parallel
+groups, then pipelines span the fewest pods and nodes wins, ties going to the paper's tp-dp-pp: DP moves
+every gradient and weight in synchronised bursts, PP activations spread over the step.
 """
 
 from __future__ import annotations
@@ -43,8 +36,8 @@ class Placement:
 
 
 def rank_coordinates(layout: Layout, rank_order: str) -> list[dict[str, int]]:
-    """Each global rank's (pp, dp, cp, tp), numbered as ParallelDims numbers its mesh (dp_replicate = 1):
-    dp_shard holds the dp x cp ranks, cp innermost."""
+    """Each global rank's (pp, dp, cp, tp), as ParallelDims numbers its mesh: dp_shard holds dp x cp, cp
+    innermost."""
     sizes = {"pp": layout.pp, "dp_replicate": 1, "dp_shard": layout.fsdp_ranks, "tp": layout.tp}
     names = MESH_ORDERS[rank_order]
     coordinates = []
@@ -74,10 +67,8 @@ def place(layout: Layout, profile: HardwareProfile, rank_order: str) -> Placemen
 
 
 def _group_key(where: dict[str, int], kind: str, layout: Layout) -> tuple[int, ...]:
-    """What the ranks of one group of `kind` share: their other coordinates. A DP group holds the same
-    weights: its dp x cp ranks share the stage and tp rank. An expert-parallel group is ep consecutive
-    dp_shard indices (the dp x cp ranks, cp innermost; ep innermost within them, as ParallelDims splits
-    them), or with the experts over the tp ranks ep / tp consecutive data-parallel indices' tp groups."""
+    """What the ranks of one group of `kind` share: their other coordinates (a DP group: stage and tp rank; an
+    expert-parallel group: ep consecutive dp_shard indices, or ep / tp data-parallel indices' tp groups)."""
     if kind == "ep" and layout.experts_over_tp:
         return where["pp"], where["dp"] // (layout.ep // layout.tp)
     if kind == "ep":
@@ -88,10 +79,8 @@ def _group_key(where: dict[str, int], kind: str, layout: Layout) -> tuple[int, .
 
 
 def choose_rank_order(layout: Layout, profile: HardwareProfile) -> Placement:
-    """The order that keeps DP groups in the fewest pods, then nodes, and then PP groups likewise; ties go
-    to paper §2's tp-dp-pp. DP comes first as in the paper: its collectives are synchronised bursts of every
-    gradient and weight at the end of a step, while PP's transfers spread over the step behind compute.
-    A context-parallel ring, which moves keys and values every layer of every micro-batch, comes first."""
+    """The order whose CP rings, then DP groups, then PP groups span the fewest pods, then nodes; ties go to
+    MegaScale §2's tp-dp-pp."""
 
     def cost(placement: Placement) -> tuple[int, ...]:
         return tuple(

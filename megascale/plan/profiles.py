@@ -1,8 +1,5 @@
-"""Hardware profiles by name: a datasheet's (hardware.py), or this CPU as `megascale calibrate` measured it.
-
-The planner only reads here. Calibration (calibrate.py) runs the probes, which need the model, the
-optimizer and gloo, and writes their figures to the profile file (`profile_cache()`); this module turns
-those figures into a `HardwareProfile` without importing any of that.
+"""Hardware profiles by name: a datasheet's (hardware.py), or this CPU as `megascale calibrate` measured it
+(calibrate.py runs the probes and writes `profile_cache()`, which this module only reads).
 """
 
 from __future__ import annotations
@@ -26,22 +23,10 @@ TINY_SHAPE = (16, 8, 1)
 SIZED_SHAPE = (SMALL_GEMM[1], 64, SMALL_GEMM[0] // 64)
 # What `megascale calibrate` stores; a cache without one of them was written by an older version.
 MEASURED = (
-    "small_gemm_flops_per_s",
-    "memory_bytes_per_s",
-    "block_host_s",
-    "model_host_s",
-    "sized_block_host_s",
-    "tp_sized_block_host_s",
-    "update_block_host_s",
-    "update_model_host_s",
-    "collective_latency_s",
-    "gather_bytes_per_s",
-    "scatter_bytes_per_s",
-    *[
-        f"{probe}_{name}_host_s"
-        for probe in ("tp", "fsdp")
-        for name in ("block", "model", "update_block", "update_model")
-    ],
+    *("small_gemm_flops_per_s", "memory_bytes_per_s", "collective_latency_s"),
+    *("gather_bytes_per_s", "scatter_bytes_per_s", "sized_block_host_s", "tp_sized_block_host_s"),
+    *(f"{probe}{name}_host_s" for probe in ("", "tp_", "fsdp_") for name in ("block", "model")),
+    *(f"{probe}update_{name}_host_s" for probe in ("", "tp_", "fsdp_") for name in ("block", "model")),
 )
 # The profile's host-time fields by the probe's names: per block, rest of the model, and the same of the
 # update.
@@ -63,8 +48,7 @@ def activation_bytes(shape: tuple[int, int, int]) -> int:
 
 
 def profile_named(name: str, threads: int = 1) -> HardwareProfile:
-    """A profile by name ('a100', 'h100', 'h800', 'h200', or 'cpu' once `megascale calibrate` has measured
-    this machine with `threads` threads per process)."""
+    """A profile by name: a GPU's, or 'cpu' once `megascale calibrate` has measured this machine."""
     key = name.lower()
     if key == "cpu":
         return cpu_profile(threads)
@@ -76,8 +60,7 @@ def profile_named(name: str, threads: int = 1) -> HardwareProfile:
 
 
 def cpu_profile(threads: int = 1) -> HardwareProfile:
-    """This CPU as a profile, from the cached measurements; a clear error if `megascale calibrate` has not
-    measured them with this many threads."""
+    """This CPU as a profile, from the cached measurements; an error if they are missing."""
     path = profile_cache()
     measured = json.loads(path.read_text()).get(cache_key(threads)) if path.is_file() else None
     peak_tflops = cached_calibration("float32", threads)
@@ -144,14 +127,9 @@ def measured_profile(
 
 
 def tp_overhead_per_byte(measured: dict[str, float]) -> float:
-    """Seconds per byte of a micro-batch's activations that tensor parallelism (over two processes) adds
-    to a block's forward + backward beyond half the block's compute: the growth of the TP probe's
-    per-block time from the tiny shape to the sized one, less half the plain probe's growth.
-
-    The TP probe's time at the tiny shape holds its dispatch and its collectives' latency. What grows with
-    the activations is measured, not counted as their bytes over gloo's bandwidth plus half a block's
-    compute, which falls short by 5-10 ms a block at the runs' size: the transfers and the
-    sequence-parallel copies take the very cores that compute."""
+    """Seconds per byte of a micro-batch's activations that tensor parallelism adds to a block beyond half its
+    compute: the TP probe's per-block growth from the tiny to the sized shape, less half the plain probe's
+    (its transfers and copies take the cores that compute; docs/planning.md, 'Checked on this machine')."""
     grown = measured["tp_sized_block_host_s"] - measured["tp_block_host_s"]
     compute = (measured["sized_block_host_s"] - measured["block_host_s"]) / 2
     return max(0.0, grown - compute) / (activation_bytes(SIZED_SHAPE) - activation_bytes(TINY_SHAPE))

@@ -1,8 +1,7 @@
 """What `megascale plan` prints: the job, the fastest layouts, the best one's placement and overrides.
 
-Each layout's line splits its step into compute, exposed communication, pipeline bubble and the rest;
-`--explain` lists every term of the step model (`megascale.plan.step`) with what it stands for, the memory
-by kind and the hardware profile's constants, so a prediction can be checked by hand.
+Each layout's line splits its step into compute, exposed communication, bubble and the rest; `--explain`
+adds every term, the memory by kind and the hardware profile's numbers, to check a prediction by hand.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from megascale.config import JobConfig, load_config
 from megascale.errors import ConfigError
 from megascale.models.flops import attention_flops_per_token, attention_span, flops_per_token, num_params
 from megascale.plan.compute import keys_per_query
-from megascale.plan.constants import model_constants
 from megascale.plan.experts import is_moe
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import MIXED_BF16, Cluster, Job, Layout, job_from_config, layout_from_config
@@ -35,32 +33,22 @@ GROUPS = {
     "bubble": ("bubble",),
     "other": ("stragglers", "core_sharing", "optimizer", "host"),
 }
-EXPLAIN = {
-    "gemm": "linear layers (an MoE layer's: the router, its share of the routed slots, shared experts): "
-    "6 x tokens x weights FLOPs, each GEMM on a roofline by its shape (its FLOPs or its bytes, plus a "
-    "launch; at the float8 peak with --fp8)",
-    "attention": "score matmuls: the device's fastest fused kernel (with fused kernels, and torch's SDPA), "
-    "FlashAttention-2 at flash2_attention_speed of it, FlashAttention-1 at half that, or materialised "
-    "scores (their memory traffic counted)",
-    "elementwise": "norms, activations, dropout, residuals: passes over the activations through HBM; an "
-    "MoE layer's router, sort, gather and scatter: a measured share of its grouped GEMMs; with --fp8, the "
-    "casts of each linear layer's input and output gradient",
+EXPLAIN = {  # what each term of `megascale.plan.step` stands for (docs/planning.md, "The model")
+    "gemm": "linear layers, each GEMM on a roofline by its shape (at the float8 peak with --fp8)",
+    "attention": "score matmuls in the system's attention kernel, or over materialised scores",
+    "elementwise": "norms, activations, residuals (and float8 casts, MoE routing) through HBM",
     "host_dispatch": "host time per block the device cannot hide (measured on CPU; 0 on GPU)",
-    "recompute": "the forward again: all of it under full activation checkpointing, part under selective",
+    "recompute": "the forward again: all of it under full recomputation, part under selective or op",
     "output_layer": "vocabulary projection on the last stage (and host time outside the blocks)",
-    "tp_exposed": "TP/SP all-gathers and reduce-scatters (or sequence-parallel attention's all-to-alls) "
-    "not hidden behind GEMMs",
-    "ep_exposed": "expert-parallel dispatch and combine all-to-alls not hidden behind the experts' GEMMs",
-    "cp_exposed": "context parallelism's ring: keys, values and their gradients sent to the next rank, "
-    "what outlasts each ring step's attention blocks (all of it without CP overlap)",
-    "pp_exposed": "pipeline sends/receives on the critical path: all of them when blocking (4 m + 2 (p - 4) "
-    "a step where each is its own call); with PP overlap 2 (p - 1)/p transfers a micro-batch under 1F1B, "
-    "2 (pv - 1) a step interleaved, 4 (p - 1) on a V",
+    "tp_exposed": "TP/SP collectives (or sequence-parallel attention's all-to-alls) not hidden",
+    "ep_exposed": "expert-parallel all-to-alls not hidden behind the experts' GEMMs",
+    "cp_exposed": "context parallelism's ring transfers that outlast each ring step's attention",
+    "pp_exposed": "pipeline sends/receives on the critical path (all of them when blocking)",
     "bubble": "pipeline fill and drain: (pp - 1)/v micro-batch times",
     "stragglers": "expected wait for the slowest host (--straggler-hosts, --straggler-slowdown)",
     "core_sharing": "too few CPU cores: all processes' core time over the cores, past the critical path",
     "dp_exposed": "gradient reduce-scatter and weight all-gather(s) not hidden behind compute",
-    "optimizer": "update (norm, clipping, optimizer step): memory traffic and host dispatch, not overlapped",
+    "optimizer": "update (norm, clipping, optimizer step): memory traffic and host dispatch",
     "host": "data loading and host stalls the system does not hide",
 }
 
@@ -115,15 +103,13 @@ def assumptions(job: Job, profile: HardwareProfile, cluster: Cluster, system: st
         else "none"
     )
     float8 = f" (linear layers float8 at {profile.peak_flops('float8') / 1e12:.4g})" if job.fp8 else ""
+    peak, intra = profile.peak_flops(job.dtype) / 1e12, profile.intra_node_bytes_per_s / 1e9
     return (
-        f"assumed: {job.dtype} at {profile.peak_flops(job.dtype) / 1e12:.4g} TFLOP/s peak per device"
-        f"{float8}; "
-        f"{profile.devices_per_node} per node, intra-node {profile.intra_node_bytes_per_s / 1e9:.4g} GB/s "
-        f"and "
+        f"assumed: {job.dtype} at {peak:.4g} TFLOP/s peak per device{float8}; "
+        f"{profile.devices_per_node} per node, intra-node {intra:.4g} GB/s and "
         f"NIC {profile.inter_node_bytes_per_s * 8 / 1e9:.4g} Gb/s per device at "
         f"{profile.network_efficiency:.0%} efficiency; overlapped: {', '.join(overlaps) or 'nothing'}; "
-        f"attention {attention}; host stall {features.host_stall_s:g} s; "
-        f"stragglers {stragglers}"
+        f"attention {attention}; host stall {features.host_stall_s:g} s; stragglers {stragglers}"
     )
 
 
@@ -134,8 +120,7 @@ def _job(cfg: JobConfig, batch: int | None, system: str) -> Job:
 
 
 def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
-    """The config's own layout on `devices`: its data-parallel ranks (the trainer's dp_shard) hold the cp
-    ranks, so they must divide by cp."""
+    """The config's own layout on `devices` (its dp_shard holds the cp ranks, so they divide by cp)."""
     par = cfg.parallel
     ranks = par.tp * par.pp * par.cp
     if devices % ranks:
@@ -154,8 +139,7 @@ def _config_layout(cfg: JobConfig, devices: int, job: Job) -> Layout:
 
 
 def config_overrides(layout: Layout, rank_order: str, moe: bool = False, rope: bool = True) -> str:
-    """The overrides that make `megascale train` run `layout` (or why it cannot); `moe`: of an MoE model,
-    `rope`: of one with rotary positions (the trainer's context parallelism needs them)."""
+    """The overrides that make `megascale train` run `layout`, or why it cannot."""
     if layout.attention == "sp" or (moe and layout.tp > 1 and layout.moe_tp == "split"):
         return (
             "not by megascale's trainer: sequence-parallel attention, or experts split over the tp ranks, "
@@ -237,41 +221,24 @@ def _millions(count: int) -> str:
 
 
 def explain_lines(plan: Plan, profile: HardwareProfile) -> list[str]:
-    """Every term of one step, the memory by kind, and the profile's constants."""
+    """Every term of one step, the memory by kind, and the profile's numbers."""
     estimate = plan.estimate
     lines = [
         "",
         f"step of #1 ({plan.layout.describe()}), {estimate.micro_batches} micro-batches per pipeline:",
     ]
     for term, seconds in estimate.terms_s.items():
-        lines.append(
-            f"  {term:<14} {seconds:>11.4g} s {100 * seconds / estimate.step_s:>6.1f}%  {EXPLAIN[term]}"
-        )
+        share = 100 * seconds / estimate.step_s
+        lines.append(f"  {term:<14} {seconds:>11.4g} s {share:>6.1f}%  {EXPLAIN[term]}")
     lines.append(f"  {'step':<14} {estimate.step_s:>11.4g} s")
-    memory = estimate.memory
-    lines.append(
-        "memory per device at the step's peak: "
-        + ", ".join(
-            f"{name} {value / 1e9:.2f} GB"
-            for name, value in (
-                ("weights", memory.weights_bytes),
-                ("gradients", memory.grads_bytes),
-                ("optimizer", memory.optimizer_bytes),
-                ("activations", memory.activations_bytes),
+    kinds = {"weights": "weights_bytes", "gradients": "grads_bytes", "optimizer": "optimizer_bytes"}
+    kinds["activations"] = "activations_bytes"
+    held = ", ".join(f"{kind} {getattr(estimate.memory, name) / 1e9:.2f} GB" for kind, name in kinds.items())
+    lines.append(f"memory per device at the step's peak: {held}")
+    lines.append(f"profile {profile.name} ({profile.source}); each constant's source is in megascale/plan/:")
+    for field in dataclasses.fields(profile):
+        if type(value := getattr(profile, field.name)) in (int, float):
+            lines.append(
+                f"  {field.name} = {value:.4g}" if isinstance(value, float) else f"  {field.name} = {value}"
             )
-        )
-    )
-    lines.append(f"profile {profile.name} ({profile.source}), its constants sourced below:")
-    numbers = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)}
-    lines += [f"  {name} = {_value(value)}" for name, value in numbers.items() if _number(value)]
-    lines.append("constants of the planner (megascale/plan/<module>.py), each with its source:")
-    lines += [f"  {c.module}.{c.name} = {_value(c.value)}  {c.source}" for c in model_constants()]
     return lines
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _value(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

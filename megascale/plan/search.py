@@ -1,15 +1,10 @@
-"""Parallel-strategy search: every legal layout of a job on a cluster, kept if it fits, ranked by step time.
+"""Parallel-strategy search: every legal layout of a job on a cluster, kept if it fits, fastest first.
 
-The automatic strategy veGiantModel offered (DESIGN.md, plan/), over the same choices megascale's config
-exposes: TP within a node, pipeline stages and interleaved chunks, context parallelism for long sequences,
-micro-batch size, ZeRO stage and recomputation, each as far as the system being planned has it (its
-ZeRO stages, recomputation and sequence parallelism: `Features`). A layout is legal under the rules
-`megascale.parallel.dims.ParallelDims` enforces (degrees dividing heads and the vocabulary, the batch
-dividing evenly, at least pp micro-batches, interleaving needing a multiple of pp and as many stages as
-the system interleaves over, the sequence splitting into 2 x cp chunks); it is kept if its peak memory fits
-the device with MEMORY_HEADROOM to spare. Every micro-batch size that divides a replica's share of the
-batch is tried, and every chunk count down to one layer a chunk: tuned runs use both (llm-foundry's
-micro-batches of 6 or 12, NeMo's Llama 2 70B at 20 chunks of one layer).
+Over the choices megascale's config exposes (TP within a node, pipeline stages and chunks, context
+parallelism for long sequences, micro-batch, ZeRO stage, recomputation), as far as the system has each
+(`Features`); legal under the rules `ParallelDims` enforces, kept if its peak memory fits the device with
+MEMORY_HEADROOM to spare. Every micro-batch dividing a replica's share of the batch, and every chunk
+count down to one layer a chunk, is tried.
 """
 
 from __future__ import annotations
@@ -41,15 +36,13 @@ class Plan:
 
     @property
     def split(self) -> tuple[int | str, ...]:
-        """How the plan divides the devices (the degrees, and how an MoE layer uses the tp ranks); its
-        micro-batch, chunks, ZeRO stage and recomputation are how it runs that split."""
+        """How the plan divides the devices (degrees, and how an MoE layer uses the tp ranks)."""
         layout = self.layout
         return (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.moe_tp, layout.attention)
 
 
 def fastest_per_split(plans: list[Plan]) -> list[Plan]:
-    """The fastest plan of each split of the devices, fastest first (`plans` sorted): the alternatives a
-    user chooses between, rather than one split's micro-batch sizes and chunk counts."""
+    """The fastest plan of each split of the devices, fastest first (`plans` sorted)."""
     seen: set[tuple[int | str, ...]] = set()
     fastest = []
     for plan in plans:
@@ -71,8 +64,8 @@ def candidate_layouts(
     recomputes: tuple[str, ...],
     features: Features | None = None,
 ) -> list[Layout]:
-    """Every legal layout; `fixed` pins some fields (e.g. {"tp": 8}). An MoE model's layers go over the
-    tp ranks in each of the system's ways (`features.moe_tp`), its experts over any ep that fits."""
+    """Every legal layout, `fixed` pinning some fields (e.g. {"tp": 8}); an MoE model's in each of the
+    system's ways."""
     features = features or Features()
     sp = features.sequence_parallel
     layouts = []
@@ -96,9 +89,8 @@ def candidate_layouts(
 def _degrees(
     job: Job, devices: int, profile: HardwareProfile, features: Features
 ) -> list[tuple[int, int, int, int]]:
-    """(tp, pp, cp, dp) of every legal split of the devices: TP within a node and dividing what it shards,
-    no more stages than layers (and as many layers on each, unless the system splits unevenly), the batch
-    dividing over dp."""
+    """(tp, pp, cp, dp) of every legal split: TP within a node dividing what it shards, stages the system can
+    cut, the batch dividing over dp."""
     model = job.model
     shapes = (model.dim, model.attention.n_heads, model.attention.n_kv_heads, model.vocab_size)
     degrees = []
@@ -114,9 +106,8 @@ def _degrees(
 
 
 def _context_choices(job: Job, ranks: int, features: Features) -> list[int]:
-    """Context-parallel degrees for `ranks` data-parallel ranks: powers of two dividing them whose 2 x cp
-    chunks split the sequence evenly, leaving each rank MIN_CONTEXT_POSITIONS at least; 1 alone for a
-    system without model parallelism."""
+    """Context-parallel degrees: powers of two dividing the ranks whose 2 x cp chunks split the sequence, each
+    keeping MIN_CONTEXT_POSITIONS."""
     if not features.model_parallel:
         return [1]
     choices, cp = [1], 2
@@ -127,9 +118,7 @@ def _context_choices(job: Job, ranks: int, features: Features) -> list[int]:
 
 
 def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout]:
-    """`layout` with each legal way of spreading the model's experts (itself for a dense model): each of
-    the system's ways over the tp ranks, the experts over ep data-parallel ranks (the dp x cp ranks that
-    hold the same weights) or over the tp groups of ep / tp data-parallel ranks."""
+    """`layout` with each legal way of spreading the model's experts (itself for a dense model)."""
     if not is_moe(job.model):
         return [layout]
     chosen = []
@@ -146,9 +135,8 @@ def _expert_layouts(job: Job, layout: Layout, features: Features) -> list[Layout
 
 
 def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features: Features) -> list[int]:
-    """Model chunks per pipeline rank: 1, and where the system interleaves at this pp, the counts whose
-    pp x v stages it can cut the layers into (evenly, unless it splits unevenly) with the micro-batches a
-    multiple of pp."""
+    """Chunks per pipeline rank: 1, and where the system interleaves at this pp, the counts it can cut the
+    layers into, the micro-batches a multiple of pp."""
     least = features.interleaved_min_pp
     if pp == 1 or least is None or pp < least or micro_batches % pp:
         return [1]
@@ -156,8 +144,7 @@ def _virtual_stage_choices(n_layers: int, pp: int, micro_batches: int, features:
 
 
 def _stages_fit(n_layers: int, stages: int, features: Features) -> bool:
-    """Whether the system can cut the layers into `stages` stages: evenly, or (where it splits unevenly)
-    at least one layer each."""
+    """Whether the system can cut the layers into `stages` stages: evenly, or at least one layer each."""
     return n_layers % stages == 0 or features.uneven_stages and stages <= n_layers
 
 
@@ -179,8 +166,8 @@ def _pinned_problem(
     recomputes: tuple[str, ...],
     features: Features,
 ) -> str | None:
-    """Why the pinned degrees leave no legal layout where the devices have some: the first pin no layout
-    takes, with the values layouts do take, or the pins together; None where no layout is legal at all."""
+    """Why the pinned degrees leave no legal layout where the free devices have some; None where none is
+    legal."""
     free = candidate_layouts(job, devices, profile, {}, recomputes, features)
     if not free:
         return None
@@ -214,10 +201,9 @@ def search(
     fixed: dict[str, int] | None = None,
     skip_selective: bool = False,
 ) -> list[Plan]:
-    """Layouts that fit, fastest first. Raises ConfigError saying why when none is legal, NoLayoutFits
-    when none fits.
-    The recomputation searched is the system's (`features.recomputes`); `skip_selective` leaves out
-    selective recomputation, which is the same as none with fused attention."""
+    """Layouts that fit, fastest first, recomputing as the system can (`skip_selective`: not selective, the
+    same as none beside fused attention). Raises ConfigError when none is legal, NoLayoutFits when none
+    fits."""
     recomputes = tuple(r for r in features.recomputes if not (skip_selective and r == "selective"))
     layouts = candidate_layouts(job, cluster.devices, profile, fixed or {}, recomputes, features)
     if not layouts:

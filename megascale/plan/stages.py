@@ -1,11 +1,6 @@
-"""The blocks each pipeline rank holds, split as megascale's trainer splits them.
-
-`parallel.pp_split` cuts the layers into pp x v stages either in equal counts, the earlier stages taking
-the remainder ("uniform"), or balanced by parameters with the embedding counted toward the first stage and
-the output layer toward the last ("params", as Llama 3 ran 126 layers over 16 stages: one fewer on the
-first and on the last). `megascale.layout.split_layers` does the cutting for both the trainer
-and this model, so a pipeline whose layers do not divide evenly is priced by what its busiest rank holds,
-not by an average share of the layers.
+"""The blocks each pipeline rank holds, cut as megascale's trainer cuts them (`megascale.layout`): in
+equal counts, or balanced by parameters with the embedding and the output layer counted toward the first
+and last stage (`parallel.pp_split`); a pipeline is priced by what its busiest rank holds.
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ def rank_shares(job: Job, layout: Layout) -> list[RankShare]:
 
 
 def busiest_rank(job: Job, layout: Layout, block_s: float, output_s: float) -> RankShare:
-    """The rank whose micro-batch takes longest, at `block_s` a block and `output_s` for the output
-    layer: the pipeline runs at its pace."""
+    """The rank whose micro-batch takes longest: the pipeline runs at its pace."""
     return max(rank_shares(job, layout), key=lambda share: share.blocks * block_s + share.output * output_s)
 
 

@@ -1,36 +1,16 @@
-"""The analytical model of one training step: seconds by term, tokens/s, MFU and memory (paper §2, §3).
-
-A step is the pipeline's work plus what the schedule cannot hide:
+"""The analytical model of one training step: seconds by term, tokens/s, MFU and memory (MegaScale,
+arXiv:2402.15627 §2, §3; docs/planning.md, "The model"):
 
     step = straggler * (m + bubble) * t_mb + overlapped PP + core sharing + exposed DP
            + sharing * optimizer + host
     t_mb = blocks_per_stage * (block + exposed TP/SP + exposed CP ring) [+ output layer on the last stage]
            [+ blocking PP p2p]
 
-t_mb is one micro-batch through the slowest stage (forward and backward). The bubble is (pp - 1) micro-
-batch times for 1F1B, (pp - 1)/v for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021) and
-(pp - 1)/3v for the zero-bubble V schedules (Qi et al. 2024).
-What each overlap of paper §3.2 hides:
-- TP/SP: the all-gather fused into the column-parallel GEMM and the reduce-scatter into the row-parallel
-  one (Fig. 3) hide all but the first of TP_OVERLAP_CHUNKS chunks, as far as the GEMMs last; with a serial
-  block only the MLP's pair is fused, half the traffic. Without that fusion, Megatron-LM's column-parallel
-  backward still runs two collectives of each pair beside its gradient GEMMs (`tp_backward_overlap`).
-- CP: the ring's keys and values (and their gradients) sent while each ring step's attention blocks
-  compute hide as far as the blocks last (`megascale.plan.context`).
-- PP: decoupled, asynchronous sends and receives leave only the transfers on the schedule's critical
-  path exposed (`_overlapped_pp_seconds`); without them every transfer of a micro-batch is waited for.
-- DP: per-chunk all-gathers before each chunk's forward and reduce-scatters after its backward leave only
-  the last chunk's reduce-scatter, 1/(2v) of the traffic, exposed (the first all-gather overlaps data
-  loading) -- as long as the compute is long enough to cover the rest; without a pipeline, block by
-  block behind one micro-batch's compute (`_dp_exposed_seconds`). Some systems overlap only without a
-  pipeline (`dp_overlap_pipelined`).
-Stragglers: synchronous training runs at the pace of its slowest host. With a fraction f of hosts slower by
-d (the cluster's: paper §5.1 saw about 0.5% of hosts, §6.3 about 10% slower), a job on n hosts computes
-at 1 + d * (1 - (1 - f)^n) times the healthy pace in expectation.
-Core sharing (a CPU host running more processes than it has cores): the cores are work-conserving -- a
-stage idle in the bubble or waiting for a transfer leaves its core to the others -- so the pipeline takes
-the longer of its critical path and all its processes' core time over the cores; the update after it runs
-on every process at once, slowed by the full sharing factor.
+t_mb is one micro-batch through the busiest stage. The bubble is (pp - 1)/v micro-batch times (1F1B when
+v = 1), (pp - 1)/3v for the zero-bubble V schedules. Each overlap of §3.2 hides its communication as far as
+the compute beside it lasts, the first of its chunks excepted; stragglers slow a job on n hosts to
+1 + d (1 - (1 - f)^n) times the healthy pace; on a CPU with more processes than cores the pipeline takes
+the longer of its critical path and all its processes' core time over the cores.
 """
 
 from __future__ import annotations
@@ -58,13 +38,7 @@ from megascale.plan.compute import (
     output_layer_seconds,
 )
 from megascale.plan.context import context_problem, exposed_ring_seconds
-from megascale.plan.experts import (
-    MoEWork,
-    exposed_all_to_all_seconds,
-    layout_problem,
-    moe_layers,
-    moe_work,
-)
+from megascale.plan.experts import MoEWork, exposed_all_to_all_seconds, layout_problem, moe_layers, moe_work
 from megascale.plan.hardware import HardwareProfile
 from megascale.plan.job import Cluster, Features, Job, Layout
 from megascale.plan.memory import Memory, gathered_bytes, memory_per_device, stage_param_groups
@@ -107,7 +81,7 @@ def estimate_step(
     moe_blocks = min(blocks, moe_layers(model))  # the slowest stage holds MoE blocks first
     kinds: list[tuple[float, BlockTime, MoEWork | None]] = [(blocks - moe_blocks, dense, None)]
     if moe_blocks:
-        moe = moe_work(job, layout, profile, _gemm(job, profile))
+        moe = moe_work(job, layout, profile, lambda m, k, n: gemm_seconds(m, k, n, profile, job.dtype))
         moe_block = block_time(job, layout, profile, features.fused_kernels, moe, features.attention_kernel)
         kinds.append((moe_blocks, moe_block, moe))
 
@@ -159,10 +133,6 @@ def estimate_step(
     )
 
 
-def _gemm(job: Job, profile: HardwareProfile) -> Callable[[float, float, float], float]:
-    return lambda m, k, n: gemm_seconds(m, k, n, profile, job.dtype)
-
-
 def _tp_exposed_seconds(
     job: Job,
     layout: Layout,
@@ -171,16 +141,12 @@ def _tp_exposed_seconds(
     block: BlockTime,
     moe: MoEWork | None,
 ) -> float:
-    """Model-parallel collective seconds of one block per micro-batch (forward + backward) that stay on
-    the critical path (none apart from the host times when the profile measured them with the
-    communication in). A dense block with head-split attention is Megatron's case below; sequence-
-    parallel attention and MoE layers have their own exchanges (the all-to-alls of expert parallelism are
-    counted apart, in `ep_exposed`)."""
+    """Model-parallel collective seconds of one block a micro-batch on the critical path (none where the
+    profile's host times hold them): Megatron's, or sequence-parallel attention's and an MoE layer's."""
     if layout.tp == 1 or profile.tp_comm_measured:
         return 0.0
     if moe is None and layout.attention == "tp":
         return _megatron_tp_exposed_seconds(job, layout, profile, features, block.gemm_s)
-    recomputed = layout.recomputed_share(job)
     payload = layout.micro_batch * layout.local_seq_len(job) * job.model.dim * job.precision.activation_bytes
     gather_s = gather_or_scatter_seconds(
         payload, layout.tp, profile, group_spans_nodes(1, layout.tp, profile.devices_per_node)
@@ -195,7 +161,7 @@ def _tp_exposed_seconds(
     if moe is None or layout.moe_tp == "ep":
         return attention_s  # the MLP runs on the rank's share of the sequence, or its experts' slots
     if layout.moe_tp == "whole":  # the whole sequence gathered forward, its gradient scattered backward
-        return attention_s + (2 + recomputed) * gather_s
+        return attention_s + (1 + layout.forward_passes(job)) * gather_s
     mlp_s = pair_collectives(job, layout) * gather_s  # "split": the dense MLP's pair around the experts
     if features.tp_overlap:
         mlp_s = mlp_s / TP_OVERLAP_CHUNKS + max(0.0, mlp_s - moe.gemm_s)
@@ -229,13 +195,8 @@ def _megatron_tp_exposed_seconds(
 def _column_backward_hidden_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, collective_s: float
 ) -> float:
-    """What Megatron-LM's column-parallel backward hides of a block's tensor-parallel collectives, per
-    micro-batch (`Features.tp_backward_overlap`). Without sequence parallelism it all-reduces the input
-    gradient while the weight gradient's GEMM runs; with it, it gathers the saved input shard again while
-    the input gradient's GEMM runs and reduce-scatters that gradient while the weight gradient's does.
-    Either way two of `collective_s`, each hidden as far as its GEMM lasts (as long as the layer's
-    forward GEMM); a block's column-parallel layers are its q, k, v projections and its MLP's first (and
-    gate) projection, one layer per column/row-parallel pair."""
+    """What Megatron-LM's column-parallel backward hides of a block's collectives (`tp_backward_overlap`): two
+    of `collective_s` a column-parallel layer, as far as its gradient GEMM lasts."""
     model = job.model
     tokens = layout.micro_batch * layout.local_seq_len(job)
     attention_in = attention_shapes(model, layout.tp)[:3]
@@ -252,22 +213,18 @@ def _column_backward_hidden_seconds(
 
 
 def pair_collectives(job: Job, layout: Layout) -> float:
-    """All-gathers and reduce-scatters (an all-reduce counts as one of each) around one column-parallel/
-    row-parallel pair per micro-batch, forward + backward. With sequence parallelism the column-parallel
-    layer all-gathers its input forward, all-gathers it again and reduce-scatters its input gradient
-    backward (the gathered input is not kept), and the row-parallel one reduce-scatters forward and
-    all-gathers backward: 5. Without it (Megatron-LM before 2022) the input is kept whole: one all-reduce
-    forward after the row-parallel layer and one backward before the column-parallel one: 4. Full
-    recomputation runs the forward's collectives again, in the share of blocks that recompute."""
+    """All-gathers and reduce-scatters (an all-reduce counts as one of each) around one
+    column-parallel/row-parallel pair per micro-batch, forward + backward: 5 with sequence parallelism (the
+    input gathered forward and again backward, its gradient reduce-scattered; the output reduce-scattered
+    forward, its gradient gathered), 4 without (an all-reduce each way); full recomputation repeats the
+    forward's."""
     forward = 2
     backward = 3 if layout.sequence_parallel else 2
     return forward * layout.forward_passes(job) + backward
 
 
 def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
-    """DeepSpeed-Ulysses' all-to-alls around the attention core, forward + backward (+ recomputation):
-    each rank's share of the sequence's queries, keys and values sent to the ranks of their heads, and
-    the attention's output back."""
+    """DeepSpeed-Ulysses' all-to-alls of q, k, v and the output around the attention core."""
     model = job.model
     head_dim = head_dim_of(model)
     tokens = layout.micro_batch * layout.local_seq_len(job) / layout.tp
@@ -279,10 +236,8 @@ def _sequence_parallel_attention_seconds(job: Job, layout: Layout, profile: Hard
 
 
 def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Features) -> float:
-    """Blocking p2p seconds per micro-batch on a stage: a receive/send pair per chunk, forward and
-    backward. Each tp rank sends its share of the activations: its sequence shard under sequence
-    parallelism, else its slice of the replicated tensor (Megatron-LM's scatter/gather, SC'21 §4.1),
-    which the receiving ranks all-gather over NVLink."""
+    """Blocking p2p seconds per micro-batch on a stage, a receive/send pair per chunk each way: each tp rank
+    sends its sequence shard, or its slice (Megatron-LM's scatter/gather, arXiv:2104.04473 §4.1)."""
     if layout.pp == 1:
         return 0.0
     shard = layout.tp if layout.sequence_parallel or features.pp_scatter_gather else 1
@@ -295,12 +250,9 @@ def _pp_seconds(job: Job, layout: Layout, profile: HardwareProfile, features: Fe
 def _pp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, m: int, forward_s: float
 ) -> float:
-    """Pipeline transfer seconds on the critical path, per micro-batch. Blocking, each micro-batch's turn
-    through a stage waits for one exchange with each neighbour, each send beside the receive it waits for
-    (two transfers, one where two stages have a neighbour each): Megatron-LM's blocking 1F1B, replayed,
-    waits within three transfers a step of that, exactly at two stages (test_blocking_pipeline.py).
-    With asynchronous sends and receives, what the schedule's order waits for over the step
-    (`_overlapped_pp_seconds`, given a micro-batch's `forward_s` through the stage)."""
+    """Pipeline transfer seconds on the critical path, per micro-batch: blocking, one paired exchange with
+    each neighbour a micro-batch's turn (Megatron-LM's 1F1B, replayed in test_blocking_pipeline.py);
+    asynchronous, what the schedule's order waits for over the step (`_overlapped_pp_seconds`)."""
     transfers_s = _pp_seconds(job, layout, profile, features)
     if features.pp_overlap:
         return _overlapped_pp_seconds(layout, m, transfers_s, forward_s) / m
@@ -310,22 +262,12 @@ def _pp_exposed_seconds(
 
 
 def _overlapped_pp_seconds(layout: Layout, m: int, transfers_s: float, forward_s: float) -> float:
-    """Transfer seconds a step waits for when sends and receives are asynchronous, under the schedules'
-    own orders (Megatron-LM's 1F1B and interleaved 1F1B, which torch's share, and torch's ZB-V and
-    DualPipeV), given `transfers_s`, a micro-batch's 2 v transfers through a stage, and `forward_s`, its
-    forward through the stage's chunks.
-
-    Replaying the orders (each rank's actions in turn, each as soon as its input has arrived;
-    tests/plan/test_step.py replays them): without interleaving (v = 1) the 1F1B loop of p stages and
-    2 (p - 1) transfers, which the p micro-batches in flight go round, keeps 2 (p - 1)/p transfers of each
-    micro-batch's turn exposed, and the fill and drain 2 (p - 2) more; exact when the micro-batches fill
-    whole rounds of p, within two transfers otherwise. Interleaved, each rank runs 2 (p - 1 - rank)
-    forwards ahead beyond its v - 1 rounds, a chunk's forward of slack for every transfer, so only one
-    micro-batch's way through the p v chunks and back is waited for, in the fill and drain: 2 (p v - 1)
-    transfers, 4 (p - 1) on a V, whose turn stays on a rank (DualPipeV's exactly; ZB-V's order within
-    max(1, p - 3) transfers of it). A transfer longer than a chunk's forward delays each chunk's turn
-    after the first of a micro-batch by the excess (interleaved 1F1B's replayed wait within a fifth for
-    transfers up to two chunk forwards long: rare on GPUs, where a chunk computes for milliseconds)."""
+    """Transfer seconds a step waits for with asynchronous sends and receives, given `transfers_s`, a
+    micro-batch's 2 v transfers through a stage, and `forward_s`, its forward through the stage (the orders
+    replayed in tests/plan/test_step.py): 1F1B's loop of p stages keeps 2 (p - 1)/p transfers of each
+    micro-batch's turn exposed and 2 (p - 2) more in the fill and drain; interleaved, one micro-batch's way
+    through the p v chunks and back, 2 (p v - 1), or 4 (p - 1) on a V; a transfer longer than a chunk's
+    forward delays each later chunk's turn by the excess."""
     p, v = layout.pp, layout.virtual_stages
     transfer_s = transfers_s / (2 * v)
     if v == 1 and not layout.zero_bubble:
@@ -336,9 +278,7 @@ def _overlapped_pp_seconds(layout: Layout, m: int, transfers_s: float, forward_s
 
 
 def _bubble_micro_batches(layout: Layout) -> float:
-    """Idle time of the pipeline's fill and drain, in micro-batch times. A zero-bubble V schedule leaves
-    pp - 1 of the 3 v equal parts of a micro-batch (each chunk's forward, input and weight gradient) idle:
-    torch's ZB-V and DualPipeV orders replayed with unit costs (bench/pipeline_bubble.py, 'counted')."""
+    """The fill and drain in micro-batch times: (pp - 1)/v, (pp - 1)/3v on a zero-bubble V."""
     if layout.zero_bubble:
         return (layout.pp - 1) / (3 * layout.virtual_stages)
     return (layout.pp - 1) / layout.virtual_stages
@@ -354,12 +294,7 @@ def _core_sharing(cluster: Cluster, profile: HardwareProfile) -> float:
 def _core_sharing_seconds(
     cluster: Cluster, profile: HardwareProfile, work_s: float, critical_path_s: float
 ) -> float:
-    """What processes taking turns on too few cores add to the pipeline's `critical_path_s`, when each
-    computes `work_s` of core time (waits for communication and idle bubbles take none).
-
-    The cores run every process's work, and an idle stage (in the bubble, or waiting for a transfer)
-    leaves its core to the others: the pipeline needs at least all processes' work over the cores, and
-    at least its own critical path; whichever is longer."""
+    """What too few cores add to `critical_path_s` for `work_s` of each process's core time."""
     sharing = _core_sharing(cluster, profile)
     if sharing == 1.0:
         return 0.0
@@ -374,20 +309,12 @@ def _straggler_slowdown(cluster: Cluster, profile: HardwareProfile) -> float:
 def _dp_exposed_seconds(
     job: Job, layout: Layout, profile: HardwareProfile, features: Features, micro_batch_s: float
 ) -> float:
-    """Data-parallel seconds per step on the critical path: the gradient reduce-scatter and the weight
-    all-gather(s) of each data-parallel group (the routed experts have their own), one collective per block
-    and one for the rest of the model, less what overlaps compute.
-
-    Overlapped, a pipeline (pp > 1) leaves the last model chunk's reduce-scatter exposed, 1/(2v) of the
-    traffic (paper §3.2). Without a pipeline, the collectives go block by block (FSDP's units, DDP's and
-    Megatron's buckets), each behind the next block's compute, so one block's share stays exposed -- as
-    long as the compute they can hide behind lasts: one micro-batch's forward and backward (gradients are
-    reduced after the step's last micro-batch, weights gathered for its first), or, where they are synced
-    every micro-batch (FSDP with ZeRO-2/3), each micro-batch's own. Under torch's pipelining schedules
-    (megascale's trainer, torchtitan) FSDP reduce-scatters once a step, after the last micro-batch
-    (`PipelineStage.perform_reduce_grad`), and keeps the weights gathered through each backward: ZeRO-3,
-    resharding them after each forward, gathers them for the first forward and again for each
-    micro-batch's backward; ZeRO-2 once."""
+    """Data-parallel seconds per step on the critical path: each group's gradient reduce-scatter and weight
+    all-gather(s), a collective per block and one for the rest, less what overlaps compute. Overlapped with
+    a pipeline, the last chunk's reduce-scatter, 1/(2v) of it (MegaScale §3.2); without one, one block's
+    share behind the compute of a micro-batch (or of each, where synchronised every micro-batch). Under
+    torch's pipelining schedules FSDP reduce-scatters once a step and ZeRO-3 gathers again for each
+    backward."""
     precision = job.precision
     units = most_blocks(job, layout) + 1
     scatter_s = gather_s = 0.0  # one reduce-scatter of the gradients, one all-gather of the weights
@@ -420,11 +347,8 @@ def _dp_exposed_seconds(
 
 
 def _optimizer_seconds(job: Job, layout: Layout, profile: HardwareProfile) -> float:
-    """The update, as memory traffic (Adam's update is bandwidth-bound): each parameter this device owns
-    (its shard under ZeRO) has its gradient read, its master weight and two moments read and written, and
-    its low-precision weight written; every gradient it holds is zeroed and read once more for the
-    gradient norm. On a host that dispatches every operator (a CPU) the norm, clipping and optimizer step
-    cost measured host seconds per block held, more when the weights are DTensors (TP, FSDP)."""
+    """The update as memory traffic (Adam is bandwidth-bound) over what the device owns and holds, and on a
+    CPU the measured host time per block."""
     precision = job.precision
     groups = stage_param_groups(job, layout)
     owned = sum(group.params / (group.ranks if layout.zero_stage >= 1 else 1) for group in groups)

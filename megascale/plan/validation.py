@@ -1,18 +1,10 @@
-"""The planner against published training runs: each row's published step and MFU beside the prediction.
+"""The planner against published training runs: each run's published step and MFU beside the prediction.
 
-The runs are data, one TOML file a source table (tests/plan/published/ in a source checkout; `--data DIR`
-reads another folder): where the table comes from, the FLOP convention of its figures, the system that ran
-it (a name `megascale plan --system` takes, `megascale.plan.systems`, and where the run differs from it),
-the hardware, what was assumed where the source is silent, and one line a run: its model, sequence, batch,
-layout and the figure the source gives (a step time, a throughput or an MFU). The tables are in three
-sets: the MegaScale papers' ("paper"; the one fitted constant, `hardware.GEMM_EFFICIENCY`, comes from two of
-them), the validation set and the hold-out tables, neither used to fit anything.
-
-Sources count FLOPs differently (hardware FLOPs with recomputation, model FLOPs with or without causal
-halving, 6N with or without the embeddings), so a row is compared in its source's own convention: its
-published MFU is the source's (or follows from its step time or throughput under the source's formula),
-and the predicted MFU is the same formula's FLOPs over the predicted step; the error is in those points.
-
+The runs are data, a TOML file a source table (tests/plan/published/, or `--data DIR`): its citation,
+FLOP convention, system (as `--system` names it, and where the run differs), hardware, assumptions, and a
+line a run with the source's figure. Three sets: the MegaScale papers' (`hardware.GEMM_EFFICIENCY` is
+fitted on two of their tables), the validation set and the hold-out tables, which fit nothing. A run's
+predicted MFU is its source's FLOPs over the predicted step, so errors are in the source's own points.
 `python -m megascale.plan.validation` prints the tables of docs/planning.md (a test checks they agree).
 """
 
@@ -44,37 +36,24 @@ ROW_KEYS = {"label", "model", "seq_len", "batch", "layout", "system", "hardware"
 RUN_KEYS = {"dropout": False, "grad_bytes": MIXED_BF16.grad_bytes, "fp8": False, "fp8_all_gather": False}
 
 
-def _megatron_hardware(model: ModelConfig, seq_len: int, params: float) -> float:
-    """SC'21 Eq. 3 (arXiv:2104.04473): every block GEMM 4 times (forward, backward, the recomputed forward),
-    attention's score matmuls unhalved, the logit layer 3 times."""
+def _megatron(model: ModelConfig, seq_len: int, gemms: int) -> float:
+    """Megatron's FLOPs of a GPT with a 4h GeLU MLP, each block GEMM run `gemms` times (3: forward and
+    backward; 4: and the recomputed forward), attention unhalved, the logit layer 3 times."""
     h, layers, vocab = model.dim, model.n_layers, model.vocab_size
-    return 96 * layers * h * h * (1 + seq_len / (6 * h) + vocab / (16 * layers * h))
+    return 24 * gemms * layers * h * h * (1 + seq_len / (6 * h) + vocab / (4 * gemms * layers * h))
 
 
-def _megatron_model(model: ModelConfig, seq_len: int, params: float) -> float:
-    """Korthikanti et al. 2022 (arXiv:2205.05198) Appendix A for a GPT with a 4h GeLU MLP: forward and
-    backward, no recomputation, attention's score matmuls unhalved."""
-    h, layers, vocab = model.dim, model.n_layers, model.vocab_size
-    return 72 * layers * h * h * (1 + seq_len / (6 * h) + vocab / (12 * layers * h))
-
-
-def _palm(model: ModelConfig, seq_len: int, params: float) -> float:
-    """PaLM's model FLOPs (arXiv:2204.02311, Appendix B): 6N for N parameters as the source counts them,
-    plus 12 x layers x dim x sequence for attention's score matmuls, unhalved."""
-    return 6 * params + 12 * model.n_layers * model.dim * seq_len
-
-
-def _causal(model: ModelConfig, seq_len: int, params: float) -> float:
-    """6 x the parameters a token uses (the output layer's too) and causal attention at half the square."""
-    return flops_per_token(model, seq_len) - attention_flops_per_token(model, seq_len) / 2
-
-
-# FLOPs a token by a table's `flops` convention, from (model, sequence, parameters as the source counts).
+# FLOPs a token by a table's `flops` convention, from (model, sequence, parameters as its source counts):
+# SC'21's hardware FLOPs (arXiv:2104.04473 Eq. 3), Korthikanti et al.'s model FLOPs (arXiv:2205.05198
+# Appendix A), PaLM's 6N + 12 L h s (arXiv:2204.02311 Appendix B), and NVIDIA's: 6 x the parameters a
+# token uses with causal attention at half the square.
 FLOPS: dict[str, Callable[[ModelConfig, int, float], float]] = {
-    "megatron-hardware": _megatron_hardware,
-    "megatron-model": _megatron_model,
-    "palm": _palm,
-    "causal": _causal,
+    "megatron-hardware": lambda model, seq_len, params: _megatron(model, seq_len, 4),
+    "megatron-model": lambda model, seq_len, params: _megatron(model, seq_len, 3),
+    "palm": lambda model, seq_len, params: 6 * params + 12 * model.n_layers * model.dim * seq_len,
+    "causal": lambda model, seq_len, params: (
+        flops_per_token(model, seq_len) - attention_flops_per_token(model, seq_len) / 2
+    ),
 }
 
 
@@ -125,15 +104,13 @@ class Published:
         return 100 * (self.predicted_mfu - self.mfu)
 
     def searched_plans(self) -> list[Plan]:
-        """`megascale plan`'s search for this run's job and devices, over the layouts its system can run,
-        fastest first; raises NoLayoutFits where the memory model leaves no layout room."""
+        """`megascale plan`'s search for this run's job and devices, over what its system can run."""
         features = self.features
         return search(self.job, self.cluster, self.profile, features, skip_selective=features.fused_kernels)
 
     def search_agrees(self) -> bool:
-        """Whether the search ranks the published layout among its first five splits of the devices
-        (`fastest_per_split`, as `megascale plan` lists them) or predicts it within 3 points of its own
-        pick; not where the memory model leaves no layout room."""
+        """Whether the search ranks the published split among its first five (as `megascale plan` lists them)
+        or predicts it within 3 points of its own pick; not where no layout fits."""
         try:
             plans = self.searched_plans()
         except NoLayoutFits:
@@ -149,7 +126,7 @@ class Published:
 @dataclass(frozen=True)
 class Table:
     source: Source
-    system: str
+    system: str  # the system most of its rows name
     rows: list[Published]
 
 
@@ -236,8 +213,7 @@ def error_summary(rows: Sequence[Published]) -> tuple[float, float, float]:
 
 
 def summary_markdown(tables: Sequence[Table], searched: bool = True) -> str:
-    """One line a table: its rows' errors and, with `searched`, how many of its published layouts the
-    search agrees with (`Published.search_agrees`)."""
+    """One line a table: its rows' errors and, with `searched`, the search's agreement."""
     lines = [
         "| set | table | system | rows | mean absolute error | mean signed error | worst | search agrees |",
         "|---|---|---|---|---|---|---|---|",
