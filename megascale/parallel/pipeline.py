@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
     RESHARD,
     SEND_F,
     UNSHARD,
+    PipelineScheduleMulti,
     _Action,
     _PipelineSchedule,
 )
@@ -97,11 +98,28 @@ class _EvaluatedForwardOnly:
 _FORWARD_ONLY = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
 
 
-class _ZBV(_EvaluatedForwardOnly, ScheduleZBVZeroBubble):
+class _ScaledOnce(PipelineScheduleMulti):
+    """Gradients divided by the micro-batches once a parameter, after the step's last backward. torch's
+    V schedules divide each stage's own after that stage's last backward, so a parameter the rank's two
+    stages share (tied embeddings) twice, the first time before the other stage has added its part."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **{**kwargs, "scale_grads": False})
+
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        super()._step_microbatches(*args, **kwargs)
+        if self._has_backward:  # a training step (eval clears it)
+            shared = {id(param): param for stage in self._stages for param in stage.submod.parameters()}
+            for param in shared.values():
+                if param.grad is not None:
+                    param.grad.div_(self._n_microbatches)
+
+
+class _ZBV(_EvaluatedForwardOnly, _ScaledOnce, ScheduleZBVZeroBubble):
     pass
 
 
-class _DualPipeV(_EvaluatedForwardOnly, ScheduleDualPipeV):
+class _DualPipeV(_EvaluatedForwardOnly, _ScaledOnce, ScheduleDualPipeV):
     pass
 
 
@@ -154,14 +172,8 @@ def build_schedule(
         for module, stage_id in zip(stage_modules, stage_ids)
     ]
     if schedule in V_SCHEDULES:  # on torch's runtime: receives posted early, sends waited on late
-        # Each stage would divide its own parameters' gradients, a parameter two stages of the rank share
-        # (tied embeddings) twice, and the first time before the other stage's last backward: the caller
-        # scales once, after the step (`scale_grads` False: PipelinedModel.forward_backward).
         v_schedule = V_SCHEDULES[schedule](
-            cast(list[_PipelineStageBase], stages),
-            n_microbatches=microbatches,
-            loss_fn=loss_fn,
-            scale_grads=False,
+            cast(list[_PipelineStageBase], stages), n_microbatches=microbatches, loss_fn=loss_fn
         )
         return v_schedule, stages
     if schedule != "gpipe":

@@ -259,10 +259,6 @@ class PipelinedModel(ParallelModel):
         """All micro-batches through the schedule, forward and backward (it scales the gradients by
         1/micro-batches); the mean loss on the last stage, 0 elsewhere."""
         loss = self._run(self.schedule.step, batches, loss_fn)
-        if not self.schedule.scale_grads:  # the gradients of the micro-batches' mean loss, each once
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.div_(self.microbatches)
         for param in self.whole:  # averaged over the data-parallel ranks, as FSDP averages its own
             for group in self.data_groups:
                 assert param.grad is not None  # both stages holding it ran their backward
