@@ -5,7 +5,8 @@ Also docs/scaling-up.md's large-run config, which megascale must accept.
 The lines are read from README.md, between `## Quickstart` and the next heading (the section's `### Longer`
 commands take minutes to hours and are left out by that heading), not copied here. A line continued with
 a backslash is joined and its comment dropped; each must be one plain `megascale` command (no shell
-syntax), and is run without a shell, as `python -m megascale.cli`. To make the section take minutes, each
+syntax), and is run without a shell, by megascale's CLI in a process forked from the test's (as `megascale`
+would run it, without a new interpreter's start). To make the section take minutes, each
 line is shortened by what its verb is, never by which line it is: training (`train`, `launch`) gets
 `--training.steps=1 --training.val_sequences=8` appended (the last value of a field wins), `generate`
 `--max-new-tokens 8`, `eval` `--sequences 8`; other verbs run as written.
@@ -22,17 +23,19 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
+import signal
 import sys
 import sysconfig
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 
-from megascale.cli import _split_overrides, build_parser
+from megascale.cli import _split_overrides, build_parser, main
 from megascale.config import JobConfig, flatten_keys, load_config, to_dict
 from megascale.parallel.dims import ParallelDims
+from tests.parallel.multiprocess import _forget_compile_threads
 
 REPO = Path(__file__).resolve().parent.parent
 SHORTER = {
@@ -116,17 +119,51 @@ def test_every_quickstart_line_runs_in_order_in_a_fresh_directory(tmp_path):
         pytest.importorskip(module)
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     write_home(tmp_path)
-    env = {**os.environ, "HOME": str(tmp_path), "WANDB_SILENT": "true"}
     took = []
-    for words in quickstart_lines():
-        command = [sys.executable, "-m", "megascale.cli", *words[1:], *SHORTER.get(words[1], [])]
+    for index, words in enumerate(quickstart_lines()):
         started = time.monotonic()
-        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        output = tmp_path / f".line-{index}.log"
+        code = run_forked([*words[1:], *SHORTER.get(words[1], [])], tmp_path, output, timeout_s=600)
         took.append(f"{time.monotonic() - started:5.1f} s  {shlex.join(words)}")
-        assert result.returncode == 0, (
-            f"{shlex.join(words)} exited {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}"
-        )
+        assert code == 0, f"{shlex.join(words)} exited {code}:\n{output.read_text()[-3000:]}"
     print("\n".join(took))
+
+
+def run_forked(argv: list[str], home: Path, output: Path, timeout_s: float) -> int:
+    """`megascale ARGV` in a child forked from this process (torch already imported: a second a line, not
+    the seconds a new interpreter takes), run in `home`, which is also its home directory; its output to
+    `output`; its exit status, the child killed if it outlives `timeout_s`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.setpgid(0, 0)  # its own process group: a timeout kills the processes it started too
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            _forget_compile_threads()
+            os.chdir(home)
+            os.environ.update(HOME=str(home), WANDB_SILENT="true")
+            code = main(argv)
+        except SystemExit as err:
+            code = err.code if isinstance(err.code, int) else 1
+        except BaseException:  # noqa: BLE001 (the parent reads the traceback from the output)
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -signal.SIGKILL
 
 
 def test_the_scaling_guides_config_parses_and_its_layout_fits_32_processes(tmp_path):

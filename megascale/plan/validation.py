@@ -104,9 +104,19 @@ class Published:
         return 100 * (self.predicted_mfu - self.mfu)
 
     def searched_plans(self) -> list[Plan]:
-        """`megascale plan`'s search for this run's job and devices, over what its system can run."""
-        features = self.features
-        return search(self.job, self.cluster, self.profile, features, skip_selective=features.fused_kernels)
+        """`megascale plan`'s search for this run's job and devices, over what its system can run (searched
+        once a row: the tables and the agreement both read it)."""
+        if isinstance(found := self._searched, NoLayoutFits):
+            raise found
+        return found
+
+    @functools.cached_property
+    def _searched(self) -> list[Plan] | NoLayoutFits:
+        skip_selective = self.features.fused_kernels
+        try:
+            return search(self.job, self.cluster, self.profile, self.features, skip_selective=skip_selective)
+        except NoLayoutFits as err:
+            return err
 
     def search_agrees(self) -> bool:
         """Whether the search ranks the published split among its first five (as `megascale plan` lists them)

@@ -113,23 +113,6 @@ def test_a_zero_bubble_schedule_over_four_ranks_trains_the_model_of_one_process(
     assert result.loss < 1e-5 and result.resumed < 1e-5
 
 
-@pytest.mark.slow
-def test_a_v_schedule_with_fsdp_trains_tied_embeddings_as_one_process(tiny_corpus, tmp_path):
-    """ZB-V over 2 pipeline ranks x 2 FSDP ranks: rank 0's first and last stage share the tied weight,
-    which FSDP leaves whole and whose gradient is averaged over the data-parallel ranks."""
-    row = config_space.default_row() | {
-        "model.tie_embeddings": True,
-        "parallel.pp": 2,
-        "parallel.pp_virtual_stages": 2,
-        "parallel.pp_schedule": "zbv",
-        "parallel.dp_shard": 2,
-        "parallel.zero_stage": 2,
-    }
-    result = Matrix(tiny_corpus, tmp_path, steps=4).run(0, row)
-    assert result.status == "matched", result.message
-    assert result.loss < 1e-5 and result.resumed < 1e-5
-
-
 def test_equal_layers_split_as_the_programme_would_split_them():
     """Equal weights without extras take a closed form (the planner splits thousands of layouts); it is the
     dynamic programme's answer, which near-equal weights still go through."""
