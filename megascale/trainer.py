@@ -313,18 +313,21 @@ class Trainer(Stateful):
                 "stop_at_step" if training.stop_at_step else "steps",
             )
         started_s = time.perf_counter()
-        try:
-            steps_run = self._run_steps(end, writer, summary)
-            if summary["interrupted"] and self.cfg.checkpoint.enabled:
-                self.save_checkpoint()
-            self.reporter.finish()
-        except BaseException as err:
-            self._stop_threads()  # not the save in flight, which may wait on ranks that are gone
-            self._log_error(err)
-            raise
-        finally:
-            writer.close()
-        self.close()
+        # The handlers stay through the last save: a rank whose own signal comes after the ranks agreed to
+        # stop (another rank's signal carried the agreement) must save with them, not die in the save.
+        with self._stop_on_signals():
+            try:
+                steps_run = self._run_steps(end, writer, summary)
+                if summary["interrupted"] and self.cfg.checkpoint.enabled:
+                    self.save_checkpoint()
+                self.reporter.finish()
+            except BaseException as err:
+                self._stop_threads()  # not the save in flight, which may wait on ranks that are gone
+                self._log_error(err)
+                raise
+            finally:
+                writer.close()
+            self.close()
         summary.update(step=self.step, wall_s=time.perf_counter() - started_s, steps_run=steps_run)
         return summary
 
@@ -335,7 +338,6 @@ class Trainer(Stateful):
         collector = AlignedGC(training.gc_every)
         with (
             collector,
-            self._stop_on_signals(),
             TrainingProgress(
                 self.console, end, self.step, live=self.cfg.metrics.progress and self.rank == 0
             ) as progress,
