@@ -35,7 +35,7 @@ import pytest
 from megascale.cli import _split_overrides, build_parser, main
 from megascale.config import JobConfig, flatten_keys, load_config, to_dict
 from megascale.parallel.dims import ParallelDims
-from tests.parallel.multiprocess import _forget_compile_threads
+from tests.parallel.multiprocess import renew_pools_after_fork
 
 REPO = Path(__file__).resolve().parent.parent
 SHORTER = {
@@ -143,7 +143,7 @@ def run_forked(argv: list[str], home: Path, output: Path, timeout_s: float) -> i
             fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            _forget_compile_threads()
+            renew_pools_after_fork()
             os.chdir(home)
             os.environ.update(HOME=str(home), WANDB_SILENT="true")
             code = main(argv)

@@ -13,11 +13,12 @@ import tempfile
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
 def _rank_main(fn, rank, world_size, init_file, results, args):
-    _forget_compile_threads()
+    renew_pools_after_fork()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -37,10 +38,17 @@ def _rank_main(fn, rank, world_size, init_file, results, args):
             dist.destroy_process_group()
 
 
-def _forget_compile_threads() -> None:
-    """A fresh thread pool for torch.compile's C++ builds. Inductor resets its process pool in a forked
-    child but keeps the parent's thread pool, whose threads the child does not have: a build submitted to
-    it waits forever (a compiling row of the parity matrix hung so in the suite)."""
+def renew_pools_after_fork() -> None:
+    """Make the thread pools a forked child inherited usable; call it first thing in the child.
+
+    torch marks its intra-op pool as corrupted in a forked child and rebuilds it at the next parallel
+    operation, unguarded: the first such operations of two threads at once (the main thread's and an
+    asynchronous checkpoint's writer) can see it half rebuilt ("Invalid thread pool!", as a quickstart
+    line did). Setting the thread count rebuilds it here, before the child has a second thread.
+    Inductor resets its process pool in a forked child but keeps the parent's thread pool, whose threads
+    the child does not have: a build submitted to it waits forever (a compiling row of the parity matrix
+    hung so in the suite); it is dropped for a fresh one."""
+    torch.set_num_threads(torch.get_num_threads())
     async_compile = sys.modules.get("torch._inductor.async_compile")
     if async_compile is not None:
         async_compile.AsyncCompile.pool.cache_clear()
