@@ -126,14 +126,21 @@ class SoakJob:
         ready = self.run_dir.glob(f"nodes/*/attempt-{self.attempt() + 1}/standby-*.json")
         return len(list(ready)) >= WORLD
 
-    def wait_training(self, after: float, timeout_s: float = RUNNING_TIMEOUT_S) -> None:
-        """Until every rank of the newest attempt has reported a step taken after `after`, and the next
-        attempt stands by: a fault is done to a job that has recovered from the one before."""
+    def wait_training(self, after: float, timeout_s: float = RUNNING_TIMEOUT_S, standby: bool = True) -> None:
+        """Until every rank of the newest attempt has reported a step taken after `after` (a restarted
+        attempt once it has taken its first step: a standby's report at its activation is not one), and
+        (`standby`) the next attempt stands by: a fault is done to a job that has recovered from the one
+        before."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            reports = self.reports()
+            reports, attempt = self.reports(), self.attempt()
             trains = len(reports) >= WORLD and all(report["time"] > after for report in reports.values())
-            if trains and self.standby_ready():
+            if trains and attempt > 0:
+                trains = any(
+                    event["event"] == "recovered" and event["attempt"] == attempt
+                    for event in read_events(self.run_dir)
+                )
+            if trains and (not standby or self.standby_ready()):
                 return
             if self.job.proc.poll() is not None:
                 raise RuntimeError(f"the soak's job ended (exit {self.job.proc.returncode})")
@@ -423,7 +430,8 @@ def soak(work: Path, duration_s: float, every_s: float, seed: int, job_args: lis
             print(f"soak: {now - began:.0f} s: {name}: {how}", flush=True)
             job.wait_noticed(FAULTS[name], since=now, attempt=attempt)
         time.sleep(max(0.0, began + duration_s - time.time()))
-        job.wait_training(after=injected[-1].time if injected else 0.0)
+        # Recovered from the last fault; no fault comes that the standby would take over.
+        job.wait_training(after=injected[-1].time if injected else 0.0, standby=False)
         job.job.proc.send_signal(signal.SIGTERM)  # the ranks save; the driver ends the job
         code = job.job.wait(STOP_TIMEOUT_S)
         ended = time.time()

