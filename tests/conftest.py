@@ -1,18 +1,72 @@
 """Shared fixtures: a tiny text corpus, a tiny job config that trains in seconds on CPU, and two emulated
-hosts (network namespaces on this machine)."""
+hosts (network namespaces on this machine); and how tests share the machine when pytest-xdist runs them
+two at a time (pyproject.toml's addopts)."""
 
+import fcntl
 import logging
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
 from bench.netem import EmulatedNodes
 from megascale.config import load_config
+
+# -- sharing the machine ------------------------------------------------------------------------------------
+# The suite runs on two pytest-xdist workers: most tests leave a core idle (one process, one thread) or wait
+# on timeouts and restarts, so two at a time finish sooner. A test marked `alone` times itself against the
+# machine (a detection delay, a measured peak, a goodput floor) and runs with no other test beside it: it
+# takes a file lock exclusively, every other test takes it shared. A turnstile lock in front keeps a stream
+# of shared takers from starving an exclusive one. Tests that share a module- or session-scoped fixture
+# carry an `xdist_group` mark, so one worker builds it once.
+LOCK_ENV = "MEGASCALE_TEST_LOCK"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        return  # a worker: the controller made the lock and the environment carries its path
+    handle, path = tempfile.mkstemp(prefix="megascale-tests-", suffix=".lock")
+    os.close(handle)
+    os.environ[LOCK_ENV] = path
+    config.add_cleanup(lambda: [Path(name).unlink(missing_ok=True) for name in (path, path + ".turnstile")])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the longest first, so that the short ones fill in at the end: a test that sets itself
+    a longer timeout than the suite's, then the slow ones (xdist puts the groups before either)."""
+
+    def longest_first(item):
+        timeout = item.get_closest_marker("timeout")
+        seconds = timeout.args[0] if timeout and timeout.args else 0
+        return (-seconds, item.get_closest_marker("slow") is None)
+
+    if hasattr(config, "workerinput"):
+        items.sort(key=longest_first)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The whole test, its fixtures' setup and teardown included, under the machine's lock."""
+    path = os.environ.get(LOCK_ENV)
+    if path is None:
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    with open(path, "a") as machine, open(path + ".turnstile", "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
 
 TINY = [
     "--model.dim=32",
@@ -45,20 +99,25 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def _session_staging(tmp_path_factory):
     """The same for module- and session-scoped fixtures, which run before any test's own setting."""
-    saved = os.environ.get("MEGASCALE_STAGING_DIR")
-    os.environ["MEGASCALE_STAGING_DIR"] = str(tmp_path_factory.getbasetemp() / "staging")
+    base = tmp_path_factory.getbasetemp()
+    places = {"MEGASCALE_STAGING_DIR": base / "staging", "MEGASCALE_STAGING_BASE": base / "shm"}
+    saved = {name: os.environ.get(name) for name in places}
+    os.environ.update({name: str(path) for name, path in places.items()})
     yield
-    if saved is None:
-        os.environ.pop("MEGASCALE_STAGING_DIR", None)
-    else:
-        os.environ["MEGASCALE_STAGING_DIR"] = saved
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
 def _isolated_staging(tmp_path, monkeypatch):
     """Checkpoint snapshots and staging go under the test's directory, not the machine's /dev/shm, so a
-    test that stops short (as a crash would) leaves nothing in memory behind it."""
+    test that stops short (as a crash would) leaves nothing in memory behind it, and what a test finds
+    left in its staging base is its own, not a test's running beside it."""
     monkeypatch.setenv("MEGASCALE_STAGING_DIR", str(tmp_path / "staging"))
+    monkeypatch.setenv("MEGASCALE_STAGING_BASE", str(tmp_path / "shm"))
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,8 @@ from megascale.observe.metrics import read_metrics
 from megascale.trainer import Trainer
 from tests.conftest import tiny_args, train_processes
 
+pytestmark = pytest.mark.xdist_group("generate_eval")  # one worker runs them all: its trained runs once
+
 STEPS = 4
 
 

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from megascale.checkpoint.staging import staging_base
+from megascale.checkpoint.staging import BASE, staging_base
 from megascale.host import free_port
 from megascale.observe.events import read_events
 from megascale.observe.metrics import read_metrics
 from megascale.resilience.client import attempt_reports
 from tests.conftest import tiny_args
+
+pytestmark = pytest.mark.xdist_group("slurm")  # one worker runs them all: one Slurm cluster
 
 SBATCH = Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "megascale.sbatch"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
@@ -253,6 +255,7 @@ def _submission(tmp_path, tiny_corpus, data_dir, name, **env):
         "STORE_HOST": "127.0.0.1",  # both nodes are this host
         "STORE_PORT": str(free_port("127.0.0.1")),
         "INTERVAL": INTERVAL,
+        BASE: str(staging_base()),  # this test's, where it looks for what the job left (tests/conftest.py)
         **env,
     }
     return run_dir, tmp_path / f"{name}.out", settings

@@ -102,6 +102,7 @@ def test_an_even_expert_load_leaves_the_detector_as_it_was():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # ranks compared by their pace: no other test's load beside it
 @pytest.mark.parametrize("slowed", [None, 2])
 def test_a_rank_slowed_by_half_is_named_and_only_then(tiny_corpus, tmp_path, slowed):
     run_dir = train_processes(

@@ -138,6 +138,7 @@ def test_the_search_interleaves_from_the_fewest_stages_the_system_interleaves_ov
     assert (8, 2) in top and row.search_agrees()
 
 
+@pytest.mark.xdist_group("published_tables")  # on the worker that searched them for the docs' test
 def test_the_search_finds_a_layout_at_least_as_fast_as_every_published_one_it_could_run(published_tables):
     # Tuned runs use micro-batches that are no power of two (llm-foundry's MPT-7b at 6 a GPU, MPT-1b at
     # 12) and one layer a chunk (NeMo's Llama 2 70B at pp 4, 20 chunks); a published layout that fits the

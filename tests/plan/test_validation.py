@@ -213,6 +213,7 @@ def test_another_folder_of_tables_is_read_with_data_and_a_typo_is_refused(tmp_pa
         validation.load_tables(tmp_path / "missing")
 
 
+@pytest.mark.xdist_group("published_tables")  # on the worker that searched them for the search's test
 def test_docs_show_the_tables_the_command_prints(published_tables):
     docs = (REPO / "docs" / "planning.md").read_text()
     printed = validation.render_markdown(published_tables)

@@ -26,6 +26,8 @@ from megascale.resilience.takeover import read_record
 from megascale.stores.redis_store import start_redis_server
 from tests.conftest import tiny_args
 
+pytestmark = pytest.mark.xdist_group("driver")  # one worker runs them all: the module's reference run once
+
 STEPS, EVERY = 12, 4
 JOB = [
     f"--training.steps={STEPS}",
@@ -361,6 +363,7 @@ def test_a_stopped_rank_is_named_and_its_node_evicted_when_it_hangs_again(refere
     assert not _processes_of(run_dir), "processes of the job outlived it"
 
 
+@pytest.mark.alone  # a detection delay against the clock
 def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny_corpus, tmp_path, redis_url):
     hang_timeout, interval = 6.0, 0.5
     run_dir = run(
@@ -402,6 +405,7 @@ def test_a_hung_rank_is_detected_within_the_timeout_and_recovered_via_redis(tiny
     assert analysis.returncode == 0 and len(suspects) == 1 and suspects[0].startswith("rank 1: not in any")
 
 
+@pytest.mark.alone  # a detection delay against the clock
 def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp_path):
     flat_timeout, interval = 5.0, 0.5
     run_dir = run(
@@ -438,6 +442,7 @@ def test_silent_communication_is_a_hang_before_the_step_timeout(tiny_corpus, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # another test's load would be a step-time collapse of its own
 def test_a_rank_turning_slow_is_a_step_time_collapse_and_restarted(tiny_corpus, tmp_path):
     run_dir = run(
         "launch",
