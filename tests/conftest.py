@@ -21,7 +21,7 @@ from megascale.config import load_config
 # -- sharing the machine ------------------------------------------------------------------------------------
 # The suite runs on two pytest-xdist workers: most tests leave a core idle (one process, one thread) or wait
 # on timeouts and restarts, so two at a time finish sooner. A test marked `alone` times itself against the
-# machine (a detection delay, a measured peak, a goodput floor) and runs with no other test beside it: it
+# machine (a detection delay, a ratio of paces, a goodput floor) and runs with no other test beside it: it
 # takes a file lock exclusively, every other test takes it shared. A turnstile lock in front keeps a stream
 # of shared takers from starving an exclusive one. Tests that share a module- or session-scoped fixture
 # carry an `xdist_group` mark, so one worker builds it once.
