@@ -104,8 +104,10 @@ class SoakJob:
     def run_dir(self) -> Path:
         return self.job.run_dir
 
-    def attempt(self) -> int:
-        starts = [event for event in read_events(self.run_dir) if event["event"] == "start"]
+    def attempt(self, events: list[dict[str, Any]] | None = None) -> int:
+        """The newest attempt started (read from `events` when given, else from the run's events)."""
+        events = read_events(self.run_dir) if events is None else events
+        starts = [event for event in events if event["event"] == "start"]
         return starts[-1]["attempt"] if starts else 0
 
     def nodes(self) -> list[str]:
@@ -118,12 +120,13 @@ class SoakJob:
     def step(self) -> int:
         return max((report["step"] for report in self.reports().values()), default=0)
 
-    def standby_ready(self) -> bool:
+    def standby_ready(self, attempt: int | None = None) -> bool:
         """Whether every rank of the next attempt waits, built, as the job's warm standby (True where the
         job's overrides turned the standby off)."""
         if "--resilience.standby=false" in self.job.args:
             return True
-        ready = self.run_dir.glob(f"nodes/*/attempt-{self.attempt() + 1}/standby-*.json")
+        attempt = self.attempt() if attempt is None else attempt
+        ready = self.run_dir.glob(f"nodes/*/attempt-{attempt + 1}/standby-*.json")
         return len(list(ready)) >= WORLD
 
     def wait_training(self, after: float, timeout_s: float = RUNNING_TIMEOUT_S, standby: bool = True) -> None:
@@ -133,14 +136,14 @@ class SoakJob:
         before."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            reports, attempt = self.reports(), self.attempt()
+            events = read_events(self.run_dir)
+            attempt = self.attempt(events)
+            reports = attempt_reports(self.run_dir, attempt)
             trains = len(reports) >= WORLD and all(report["time"] > after for report in reports.values())
             if trains and attempt > 0:
-                trains = any(
-                    event["event"] == "recovered" and event["attempt"] == attempt
-                    for event in read_events(self.run_dir)
-                )
-            if trains and (not standby or self.standby_ready()):
+                recovered = [event for event in events if event["event"] == "recovered"]
+                trains = any(event["attempt"] == attempt for event in recovered)
+            if trains and (not standby or self.standby_ready(attempt)):
                 return
             if self.job.proc.poll() is not None:
                 raise RuntimeError(f"the soak's job ended (exit {self.job.proc.returncode})")

@@ -12,11 +12,15 @@ from tests.conftest import tiny_args
 from tests.parallel.multiprocess import run_ranks
 
 
-def train_with_late_signal(rank, world_size, corpus, run_dir, data_dir):
-    cfg = load_config(
-        None, tiny_args(corpus, run_dir, data_dir, "--parallel.dp_shard=2", "--training.steps=8")
+def two_rank_trainer(corpus, run_dir, data_dir):
+    """The tiny job over 2 data-parallel ranks, 8 steps (a checkpoint every 3)."""
+    return Trainer(
+        load_config(None, tiny_args(corpus, run_dir, data_dir, "--parallel.dp_shard=2", "--training.steps=8"))
     )
-    trainer = Trainer(cfg)
+
+
+def train_with_late_signal(rank, world_size, corpus, run_dir, data_dir):
+    trainer = two_rank_trainer(corpus, run_dir, data_dir)
     step_once = trainer.train_step
 
     def step_then_signal():
@@ -40,10 +44,7 @@ def test_a_signal_after_the_all_reduce_stops_every_rank_one_step_later(tiny_corp
 def train_with_a_signal_in_the_save(rank, world_size, corpus, run_dir, data_dir):
     """Rank 0 is signalled as step 2 begins, so both ranks stop after step 2; rank 1's own signal comes
     only as it starts that last save (a preemption reaches the nodes at different moments)."""
-    cfg = load_config(
-        None, tiny_args(corpus, run_dir, data_dir, "--parallel.dp_shard=2", "--training.steps=8")
-    )
-    trainer = Trainer(cfg)
+    trainer = two_rank_trainer(corpus, run_dir, data_dir)
     step_once, save = trainer.train_step, trainer.save_checkpoint
 
     def step_signalled():
